@@ -1,0 +1,450 @@
+"""Target and assistant configs, read from an HF `config.json` or built from named presets.
+
+Frozen, keyword-only dataclasses: everything the forward needs is derived here once (per-layer head dims, KV heads,
+KV-sharing modes, store layers, layer groups for stacked weights), so the model code never re-reads the raw dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from typing import Any
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+LAYER_TYPES = (SLIDING, FULL)
+
+TARGET_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text", "gemma3_text")
+ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
+
+
+class ConfigError(ValueError):
+    """A config, checkpoint or argument that jaxspec cannot use; the CLI prints it as one line and exits 2."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rope:
+    theta: float
+    partial_factor: float = 1.0  # "proportional": only the first factor*d/2 frequencies rotate, denominator stays d
+    scale: float = 1.0  # linear scaling factor (inv_freq / scale)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerGroup:
+    """Layers whose weights have identical shapes, stacked on a leading axis."""
+
+    name: str
+    layer_type: str
+    reuse: bool  # reads the store layer's K/V instead of computing its own
+    layers: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TargetConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    global_head_dim: int
+    num_global_kv_heads: int
+    layer_types: tuple[str, ...]
+    sliding_window: int
+    rms_norm_eps: float = 1e-6
+    rope_sliding: Rope = Rope(theta=10_000.0)
+    rope_full: Rope = Rope(theta=1_000_000.0, partial_factor=0.25)
+    final_logit_softcapping: float | None = 30.0
+    hidden_size_per_layer_input: int = 0  # PLE width P (0: no per-layer embeddings)
+    vocab_size_per_layer_input: int = 0
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
+    enable_moe_block: bool = False
+    num_experts: int = 0
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
+    attention_k_eq_v: bool = False
+    max_position_embeddings: int = 131072
+    # gemma3_text switches
+    norm_plus_one: bool = False  # RMSNorm weight applied as (1 + w)
+    query_scale: float = 1.0  # gemma3: query_pre_attn_scalar ** -0.5
+    use_v_norm: bool = True
+    eos_token_ids: tuple[int, ...] = (1,)
+    pad_token_id: int = 0
+    bos_token_id: int = 2
+
+    # ---- derived geometry -------------------------------------------------------------------------------------
+    def layer_head_dim(self, i: int) -> int:
+        return self.global_head_dim if self.layer_types[i] == FULL else self.head_dim
+
+    def layer_kv_heads(self, i: int) -> int:
+        return self.num_global_kv_heads if self.layer_types[i] == FULL else self.num_kv_heads
+
+    def type_head_dim(self, layer_type: str) -> int:
+        return self.global_head_dim if layer_type == FULL else self.head_dim
+
+    def type_kv_heads(self, layer_type: str) -> int:
+        return self.num_global_kv_heads if layer_type == FULL else self.num_kv_heads
+
+    def rope(self, layer_type: str) -> Rope:
+        return self.rope_full if layer_type == FULL else self.rope_sliding
+
+    @property
+    def first_shared_layer(self) -> int:
+        return self.num_layers - self.num_kv_shared_layers
+
+    def is_reuse(self, i: int) -> bool:
+        return i >= self.first_shared_layer
+
+    def has_v_proj(self, i: int) -> bool:
+        return not (self.attention_k_eq_v and self.layer_types[i] == FULL)
+
+    def mlp_size(self, i: int) -> int:
+        return self.intermediate_size * (2 if self.use_double_wide_mlp and self.is_reuse(i) else 1)
+
+    @functools.cached_property
+    def store_layers(self) -> dict[str, int]:
+        """For each attention type, the last non-shared layer of that type: the K/V the drafter reads."""
+        out = {}
+        for i in range(self.first_shared_layer):
+            out[self.layer_types[i]] = i
+        return out
+
+    @functools.cached_property
+    def kv_layers(self) -> dict[str, tuple[int, ...]]:
+        """Non-shared layers of each type, in order: the layers that own K/V storage."""
+        return {t: tuple(i for i in range(self.first_shared_layer) if self.layer_types[i] == t) for t in LAYER_TYPES}
+
+    def kv_slot(self, i: int) -> tuple[str, int]:
+        """(layer_type, index into that type's K/V stack) that layer i writes or, for a reuse layer, reads."""
+        t = self.layer_types[i]
+        src = self.store_layers[t] if self.is_reuse(i) else i
+        return t, self.kv_layers[t].index(src)
+
+    @functools.cached_property
+    def groups(self) -> tuple[LayerGroup, ...]:
+        out = []
+        for t in LAYER_TYPES:
+            for reuse in (False, True):
+                layers = tuple(i for i in range(self.num_layers) if self.layer_types[i] == t and self.is_reuse(i) == reuse)
+                if layers:
+                    name = ("full" if t == FULL else "sliding") + ("_shared" if reuse else "")
+                    out.append(LayerGroup(name=name, layer_type=t, reuse=reuse, layers=layers))
+        return tuple(out)
+
+    def group_of(self, i: int) -> tuple[str, int]:
+        """(group name, index in its stack) of layer i."""
+        return self._group_index[i]
+
+    @functools.cached_property
+    def _group_index(self) -> dict[int, tuple[str, int]]:
+        return {i: (g.name, j) for g in self.groups for j, i in enumerate(g.layers)}
+
+    def validate(self) -> None:
+        if self.num_kv_shared_layers >= self.num_layers:
+            raise ConfigError(f"num_kv_shared_layers={self.num_kv_shared_layers} leaves no layer that stores K/V")
+        for t in set(self.layer_types):
+            if t not in LAYER_TYPES:
+                raise ConfigError(f"unknown layer type {t!r}")
+            if t not in self.store_layers:
+                raise ConfigError(f"no non-shared {t} layer: shared layers of that type would have no K/V to read")
+        if self.num_heads % self.num_kv_heads or self.num_heads % self.num_global_kv_heads:
+            raise ConfigError(f"num_attention_heads={self.num_heads} is not a multiple of the KV head counts")
+        if self.enable_moe_block and not (self.num_experts and self.top_k_experts and self.moe_intermediate_size):
+            raise ConfigError("enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AssistantConfig:
+    model_type: str
+    text: TargetConfig  # the drafter's own decoder (all layers "reuse": Q-only)
+    backbone_hidden_size: int
+    use_ordered_embeddings: bool = False
+    num_centroids: int = 2048
+    centroid_top_k: int = 32
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+
+# ---- reading HF config.json ---------------------------------------------------------------------------------------
+
+
+def _rope_from(rp: dict | None, default: Rope) -> Rope:
+    if not rp:
+        return default
+    theta = float(rp.get("rope_theta", default.theta))
+    kind = rp.get("rope_type", "default")
+    if kind == "proportional":
+        return Rope(theta=theta, partial_factor=float(rp.get("partial_rotary_factor", 1.0)), scale=float(rp.get("factor", 1.0)))
+    if kind == "linear":
+        return Rope(theta=theta, scale=float(rp.get("factor", 1.0)))
+    if kind == "default":
+        return Rope(theta=theta)
+    raise ConfigError(f"unsupported rope_type {kind!r}")
+
+
+def _eos(d: dict) -> tuple[int, ...]:
+    e = d.get("eos_token_id", 1)
+    if e is None:
+        return ()
+    return tuple(e) if isinstance(e, (list, tuple)) else (int(e),)
+
+
+def _layer_override(d: dict, i: int) -> dict:
+    plc = d.get("per_layer_config") or {}
+    return {int(k): v for k, v in plc.items()}.get(i, {})
+
+
+def target_config_from_dict(d: dict[str, Any]) -> TargetConfig:
+    mt = d.get("model_type")
+    if mt in ("gemma4", "gemma4_unified"):
+        if "text_config" not in d:
+            raise ConfigError(f"config of model_type {mt!r} has no text_config")
+        td = dict(d["text_config"])
+        td.setdefault("model_type", mt + "_text")
+        for k in ("eos_token_id", "pad_token_id", "bos_token_id"):
+            if k in d and k not in td:
+                td[k] = d[k]
+        return target_config_from_dict(td)
+    if mt not in TARGET_TYPES:
+        raise ConfigError(f"unsupported model_type {mt!r} (expected one of {', '.join(TARGET_TYPES)})")
+    try:
+        return _text_config(d, mt)
+    except KeyError as e:
+        raise ConfigError(f"config.json ({mt}) lacks the field {e.args[0]!r}") from None
+
+
+def _text_config(d: dict, mt: str, validate: bool = True) -> TargetConfig:
+    L = int(d["num_hidden_layers"])
+    gemma3 = mt == "gemma3_text"
+    layer_types = d.get("layer_types")
+    if not layer_types:
+        pattern = int(d.get("sliding_window_pattern", 6 if gemma3 else 6))
+        layer_types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(L)]
+        if not gemma3:
+            layer_types[-1] = FULL
+    layer_types = tuple(layer_types)
+    if len(layer_types) != L:
+        raise ConfigError(f"layer_types has {len(layer_types)} entries for {L} layers")
+    head_dim = int(d.get("head_dim", 256))
+    kvh = int(d["num_key_value_heads"])
+    k_eq_v = bool(d.get("attention_k_eq_v", False))
+    # Full-layer geometry: transformers-saved configs carry a sparse per_layer_config; hub configs carry
+    # global_head_dim / num_global_key_value_heads (the kv override only applies with attention_k_eq_v).
+    full = [i for i in range(L) if layer_types[i] == FULL]
+    if gemma3:
+        g_hd, g_kvh = head_dim, kvh
+    elif d.get("per_layer_config"):
+        ovs = [_layer_override(d, i) for i in full]
+        g_hd = {int(o.get("head_dim", head_dim)) for o in ovs}
+        g_kvh = {int(o.get("num_key_value_heads", kvh)) for o in ovs}
+        if len(g_hd) > 1 or len(g_kvh) > 1:
+            raise ConfigError("per_layer_config gives full layers different geometries; jaxspec needs one per type")
+        g_hd, g_kvh = (g_hd.pop(), g_kvh.pop()) if full else (head_dim, kvh)
+    else:
+        g_hd = int(d.get("global_head_dim") or 512)
+        g_kvh = int(d["num_global_key_value_heads"]) if k_eq_v and d.get("num_global_key_value_heads") else kvh
+    rp = d.get("rope_parameters") or {}
+    if gemma3:
+        legacy_full = {"rope_type": "default", "rope_theta": d.get("rope_theta", 1_000_000.0)}
+        if d.get("rope_scaling"):
+            legacy_full.update(d["rope_scaling"])
+        rope_full = _rope_from(rp.get(FULL) or legacy_full, Rope(theta=1_000_000.0))
+        rope_sliding = _rope_from(rp.get(SLIDING), Rope(theta=float(d.get("rope_local_base_freq", 10_000.0))))
+        query_scale = float(d.get("query_pre_attn_scalar", 256)) ** -0.5
+        if d.get("attn_logit_softcapping"):
+            raise ConfigError("attn_logit_softcapping is not supported")
+    else:
+        rope_full = _rope_from(rp.get(FULL), Rope(theta=1_000_000.0, partial_factor=0.25))
+        rope_sliding = _rope_from(rp.get(SLIDING), Rope(theta=10_000.0))
+        query_scale = 1.0
+    if d.get("use_bidirectional_attention") == "all":
+        raise ConfigError("use_bidirectional_attention='all' is not a generative configuration")
+    moe = bool(d.get("enable_moe_block", False))
+    cfg = TargetConfig(
+        model_type=mt,
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=L,
+        num_heads=int(d["num_attention_heads"]),
+        num_kv_heads=kvh,
+        head_dim=head_dim,
+        global_head_dim=g_hd,
+        num_global_kv_heads=g_kvh,
+        layer_types=layer_types,
+        sliding_window=int(d.get("sliding_window") or 512),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_sliding=rope_sliding,
+        rope_full=rope_full,
+        final_logit_softcapping=d.get("final_logit_softcapping"),
+        hidden_size_per_layer_input=0 if gemma3 else int(d.get("hidden_size_per_layer_input") or 0),
+        vocab_size_per_layer_input=0 if gemma3 else int(d.get("vocab_size_per_layer_input") or 0),
+        num_kv_shared_layers=int(d.get("num_kv_shared_layers") or 0),
+        use_double_wide_mlp=bool(d.get("use_double_wide_mlp", False)),
+        enable_moe_block=moe,
+        num_experts=int(d.get("num_experts") or 0) if moe else 0,
+        top_k_experts=int(d.get("top_k_experts") or 0) if moe else 0,
+        moe_intermediate_size=int(d.get("moe_intermediate_size") or 0) if moe else 0,
+        attention_k_eq_v=k_eq_v,
+        max_position_embeddings=int(d.get("max_position_embeddings", 131072)),
+        norm_plus_one=gemma3,
+        query_scale=query_scale,
+        use_v_norm=not gemma3,
+        eos_token_ids=_eos(d),
+        pad_token_id=int(d.get("pad_token_id") or 0),
+        bos_token_id=int(d.get("bos_token_id") or 2),
+    )
+    if validate:
+        cfg.validate()
+    return cfg
+
+
+def assistant_config_from_dict(d: dict[str, Any]) -> AssistantConfig:
+    mt = d.get("model_type")
+    if mt not in ASSISTANT_TYPES:
+        raise ConfigError(f"unsupported assistant model_type {mt!r} (expected one of {', '.join(ASSISTANT_TYPES)})")
+    if "text_config" not in d:
+        raise ConfigError("assistant config has no text_config")
+    td = dict(d["text_config"])
+    td["model_type"] = "gemma4_text"
+    n = int(td.get("num_hidden_layers", 4))
+    td["num_kv_shared_layers"] = n  # every drafter layer reads the target's K/V
+    text = _assistant_text(td)
+    if text.hidden_size_per_layer_input or text.enable_moe_block or text.use_double_wide_mlp:
+        raise ConfigError("assistant text_config must have no PLE, no MoE and no double-wide MLP")
+    return AssistantConfig(
+        model_type=mt,
+        text=text,
+        backbone_hidden_size=int(d.get("backbone_hidden_size", 1536)),
+        use_ordered_embeddings=bool(d.get("use_ordered_embeddings", False)),
+        num_centroids=int(d.get("num_centroids", 2048)),
+        centroid_top_k=int(d.get("centroid_intermediate_top_k", 32)),
+    )
+
+
+def _assistant_text(td: dict) -> TargetConfig:
+    # All layers are shared (Q-only), so TargetConfig.validate, which wants a storing layer, does not apply.
+    n = int(td["num_hidden_layers"])
+    try:
+        base = _text_config(dict(td, num_kv_shared_layers=0), "gemma4_text", validate=False)
+    except KeyError as e:
+        raise ConfigError(f"assistant text_config lacks the field {e.args[0]!r}") from None
+    return dataclasses.replace(base, num_kv_shared_layers=n, final_logit_softcapping=None)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise ConfigError(f"model directory not found: {path}")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"no config.json in {path}")
+    try:
+        with open(cfg_path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"malformed {cfg_path}: {e}") from None
+
+
+def load_target_config(path: str) -> TargetConfig:
+    return target_config_from_dict(_read_json(path))
+
+
+def load_assistant_config(path: str) -> AssistantConfig:
+    return assistant_config_from_dict(_read_json(path))
+
+
+def check_pair(target: TargetConfig, assistant: AssistantConfig) -> None:
+    """The drafter's queries attend the target's store-layer K/V: geometries must agree."""
+    a = assistant.text
+    problems = []
+    if assistant.backbone_hidden_size != target.hidden_size:
+        problems.append(f"backbone_hidden_size {assistant.backbone_hidden_size} != target hidden_size {target.hidden_size}")
+    if a.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {a.vocab_size} != target vocab_size {target.vocab_size}")
+    for t in sorted(set(a.layer_types)):
+        if t not in target.store_layers:
+            problems.append(f"target has no store layer of type {t}")
+            continue
+        if a.type_head_dim(t) != target.type_head_dim(t):
+            problems.append(f"{t} head_dim {a.type_head_dim(t)} != target {target.type_head_dim(t)}")
+        if a.type_kv_heads(t) != target.type_kv_heads(t):
+            problems.append(f"{t} num_kv_heads {a.type_kv_heads(t)} != target {target.type_kv_heads(t)}")
+    if a.num_heads % a.num_kv_heads or a.num_heads % a.num_global_kv_heads:
+        problems.append(f"assistant num_attention_heads {a.num_heads} is not a multiple of its KV heads")
+    if problems:
+        raise ConfigError("assistant does not match target: " + "; ".join(problems))
+
+
+# ---- presets: the public sizes (gemma4_arch.md §1.4), for random-weight benchmarks --------------------------------
+
+
+def _pattern(n: int, every: int) -> tuple[str, ...]:
+    t = [FULL if (i + 1) % every == 0 else SLIDING for i in range(n)]
+    t[-1] = FULL
+    return tuple(t)
+
+
+PRESETS: dict[str, TargetConfig] = {
+    "E2B": TargetConfig(
+        model_type="gemma4_text", vocab_size=262144, hidden_size=1536, intermediate_size=6144, num_layers=35,
+        num_heads=8, num_kv_heads=1, head_dim=256, global_head_dim=512, num_global_kv_heads=1,
+        layer_types=_pattern(35, 5), sliding_window=512, hidden_size_per_layer_input=256,
+        vocab_size_per_layer_input=262144, num_kv_shared_layers=20, use_double_wide_mlp=True),
+    "E4B": TargetConfig(
+        model_type="gemma4_text", vocab_size=262144, hidden_size=2560, intermediate_size=10240, num_layers=42,
+        num_heads=8, num_kv_heads=2, head_dim=256, global_head_dim=512, num_global_kv_heads=2,
+        layer_types=_pattern(42, 6), sliding_window=512, hidden_size_per_layer_input=256,
+        vocab_size_per_layer_input=262144, num_kv_shared_layers=18),
+    "26B-A4B": TargetConfig(
+        model_type="gemma4_text", vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_layers=30,
+        num_heads=16, num_kv_heads=8, head_dim=256, global_head_dim=512, num_global_kv_heads=2,
+        layer_types=_pattern(30, 6), sliding_window=1024, attention_k_eq_v=True, enable_moe_block=True,
+        num_experts=128, top_k_experts=8, moe_intermediate_size=704, max_position_embeddings=262144),
+    "31B": TargetConfig(
+        model_type="gemma4_text", vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_layers=60,
+        num_heads=32, num_kv_heads=16, head_dim=256, global_head_dim=512, num_global_kv_heads=4,
+        layer_types=_pattern(60, 6), sliding_window=1024, attention_k_eq_v=True, max_position_embeddings=262144),
+}
+
+
+def assistant_preset(target: TargetConfig, *, hidden_size: int = 256, num_layers: int = 4, num_heads: int = 4,
+                     intermediate_size: int = 2048, ordered: bool = True, num_centroids: int = 2048,
+                     centroid_top_k: int = 32) -> AssistantConfig:
+    """A drafter shaped like the public ones (E2B/E4B: hidden 256, [S,S,S,F], 2048 centroids, top-32)."""
+    types = tuple([SLIDING] * (num_layers - 1) + [FULL])
+    text = dataclasses.replace(
+        target, model_type="gemma4_text", hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_layers=num_layers, num_heads=num_heads, layer_types=types, hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0, num_kv_shared_layers=num_layers, use_double_wide_mlp=False,
+        enable_moe_block=False, num_experts=0, top_k_experts=0, moe_intermediate_size=0,
+        final_logit_softcapping=None)
+    return AssistantConfig(model_type="gemma4_assistant", text=text, backbone_hidden_size=target.hidden_size,
+                           use_ordered_embeddings=ordered, num_centroids=num_centroids, centroid_top_k=centroid_top_k)
+
+
+def rope_inv_freq(rope: Rope, head_dim: int, dtype=None):
+    """Inverse frequencies [head_dim // 2] (numpy, computed in float32 as transformers does, or float64 for oracle
+    runs); proportional RoPE leaves the tail at 0 (unrotated) and divides by the full head_dim."""
+    import numpy as np
+
+    dt = np.dtype(dtype or np.float32)
+    rotated = int(rope.partial_factor * head_dim // 2)
+    exponent = np.arange(0, 2 * rotated, 2).astype(dt) / dt.type(head_dim)
+    inv = dt.type(1.0) / (dt.type(rope.theta) ** exponent)
+    return (np.concatenate([inv, np.zeros(head_dim // 2 - rotated, dt)]) / dt.type(rope.scale)).astype(dt)
+
+
+def embed_scale(hidden: int) -> float:
+    return math.sqrt(hidden)

@@ -1,0 +1,160 @@
+"""The Gemma 4 text decoder (and Gemma 3 through config switches), generic over where K/V lives.
+
+`forward` runs the decoder over tokens at given positions and calls `attend(cache, layer, q, k, v)` for attention:
+the dense cache below (the reference) and the paged cache (`jaxspec.paged_kv.cache`) both implement it. A layer that
+reuses K/V (KV sharing) passes k = v = None and reads its store layer's storage.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import SLIDING, TargetConfig
+from jaxspec.model.layers import acc_dtype, apply_rope, gated_mlp, gelu_tanh, linear, moe, rms_norm, softcap, sqrt_scale
+from jaxspec.paged_kv.cache import paged_attend, step_metadata
+from jaxspec.pallas.reference import attention
+
+# attend(cache, layer, q [B,T,NH,d], k [B,T,KVH,d] | None, v | None) -> (out [B,T,NH,d], cache)
+Attend = Callable
+
+
+def embed(params, cfg: TargetConfig, tokens):
+    """Scaled token embedding [B, T, H] and, for PLE models, the per-layer inputs [B, T, L, P]."""
+    dtype = params["embed"].dtype
+    x = params["embed"][tokens] * sqrt_scale(cfg.hidden_size, dtype)
+    if not cfg.hidden_size_per_layer_input:
+        return x, None
+    B, T = tokens.shape
+    L, P = cfg.num_layers, cfg.hidden_size_per_layer_input
+    tok = (params["ple_embed"][tokens] * sqrt_scale(P, dtype)).reshape(B, T, L, P)
+    proj = (linear(x, params["ple_model_proj"]) * cfg.hidden_size**-0.5).reshape(B, T, L, P)
+    proj = rms_norm(proj, params["ple_proj_norm"], cfg.rms_norm_eps)
+    return x, (proj + tok) * 2.0**-0.5
+
+
+def layer_weights(params, cfg: TargetConfig, i: int) -> dict:
+    group, j = cfg.group_of(i)
+    return {name: arr[j] for name, arr in params["layers"][group].items()}
+
+
+def qkv(w, cfg: TargetConfig, i: int, h, positions):
+    """Projected, normed and rotated q [B,T,NH,d] and, for a non-shared layer, k, v [B,T,KVH,d] (else None)."""
+    B, T, _ = h.shape
+    eps, d = cfg.rms_norm_eps, cfg.layer_head_dim(i)
+    rope = cfg.rope(cfg.layer_types[i])
+    q = linear(h, w["q_proj"]).reshape(B, T, cfg.num_heads, d)
+    q = apply_rope(rms_norm(q, w["q_norm"], eps), positions, rope)
+    if "k_proj" not in w:
+        return q, None, None
+    k = linear(h, w["k_proj"]).reshape(B, T, -1, d)
+    v = linear(h, w["v_proj"]).reshape(B, T, -1, d) if "v_proj" in w else k  # k_eq_v: V is the raw K projection
+    k = apply_rope(rms_norm(k, w["k_norm"], eps), positions, rope)
+    if cfg.use_v_norm:
+        v = rms_norm(v, None, eps)
+    return q, k, v
+
+
+def decoder_layer(w, cfg: TargetConfig, i: int, x, positions, ple_i, attend: Attend, cache):
+    """One decoder layer. x: [B, T, H]; ple_i: [B, T, P] or None. Returns (x, cache)."""
+    eps = cfg.rms_norm_eps
+    B, T, _ = x.shape
+    h = rms_norm(x, w["norms"][0], eps)
+    q, k, v = qkv(w, cfg, i, h, positions)
+    a, cache = attend(cache, i, q, k, v)
+    x = x + rms_norm(linear(a.reshape(B, T, -1), w["o_proj"]), w["norms"][1], eps)
+    residual = x
+    h = rms_norm(x, w["norms"][2], eps)
+    m = gated_mlp(h, w["gate_up"], w["down"])
+    if cfg.enable_moe_block:
+        experts = moe(h, residual, w, top_k=cfg.top_k_experts, eps=eps)
+        m = rms_norm(m, w["moe_norms"][1], eps) + rms_norm(experts, w["moe_norms"][2], eps)
+    x = residual + rms_norm(m, w["norms"][3], eps)
+    if ple_i is not None:
+        g = gelu_tanh(linear(x, w["ple_gate"])) * ple_i
+        x = x + rms_norm(linear(g, w["ple_proj"]), w["ple_norm"], eps)
+    return x * w["layer_scalar"].astype(x.dtype), cache
+
+
+def forward(params, cfg: TargetConfig, tokens, positions, attend: Attend, cache):
+    """Run the decoder. tokens, positions: int32[B, T]. Returns (post-final-norm hidden [B, T, H], cache)."""
+    x, ple = embed(params, cfg, tokens)
+    for i in range(cfg.num_layers):
+        x, cache = decoder_layer(layer_weights(params, cfg, i), cfg, i, x, positions,
+                                 None if ple is None else ple[:, :, i], attend, cache)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
+
+
+def logits(params, cfg: TargetConfig, hidden):
+    """Tied-head logits in fp32, softcapped where configured. hidden: [..., H] -> [..., V]."""
+    head = params.get("lm_head", params["embed"])
+    out = jnp.einsum("...h,vh->...v", hidden, head, preferred_element_type=acc_dtype(hidden.dtype))
+    return softcap(out, cfg.final_logit_softcapping)
+
+
+# ---- the dense cache: the reference the paged cache must match ------------------------------------------------------
+
+
+def init_dense_cache(cfg: TargetConfig, batch: int, max_len: int, dtype) -> dict:
+    """K/V of every non-shared layer: {'{type}_k': [L_type, B, S, KVH, d], '{type}_v': ...}, zero-initialised."""
+    cache = {}
+    for t, layers in cfg.kv_layers.items():
+        if layers:
+            shape = (len(layers), batch, max_len, cfg.type_kv_heads(t), cfg.type_head_dim(t))
+            cache[f"{t}_k"] = jnp.zeros(shape, dtype)
+            cache[f"{t}_v"] = jnp.zeros(shape, dtype)
+    return cache
+
+
+def dense_attend(cfg: TargetConfig, positions) -> Attend:
+    """Attention over a dense cache: write the new K/V at `positions`, attend causally (sliding: the last W)."""
+
+    def attend(cache, i, q, k, v):
+        t, slot = cfg.kv_slot(i)
+        B = q.shape[0]
+        rows = jnp.arange(B)[:, None]
+        if k is not None:
+            cache = dict(cache)
+            cache[f"{t}_k"] = cache[f"{t}_k"].at[slot, rows, positions].set(k)
+            cache[f"{t}_v"] = cache[f"{t}_v"].at[slot, rows, positions].set(v)
+        keys, values = cache[f"{t}_k"][slot], cache[f"{t}_v"][slot]
+        kpos = jnp.arange(keys.shape[1])[None, None, :]
+        qpos = positions[:, :, None]
+        valid = kpos <= qpos
+        if t == SLIDING:
+            valid &= kpos > qpos - cfg.sliding_window
+        return attention(q, keys, values, valid, scale=cfg.query_scale), cache
+
+    return attend
+
+
+def dense_forward(params, cfg: TargetConfig, tokens, start, cache):
+    """Process tokens [B, T] at positions start..start+T-1 over a dense cache.
+
+    Returns (logits [B, T, V] fp32, hidden [B, T, H], cache). The store layers' K/V are
+    `cache[f'{type}_k'][-1]` (the last non-shared layer of each type).
+    """
+    T = tokens.shape[1]
+    positions = (start + jnp.arange(T, dtype=jnp.int32))[None, :].repeat(tokens.shape[0], 0)
+    hidden, cache = forward(params, cfg, tokens, positions, dense_attend(cfg, positions), cache)
+    return logits(params, cfg, hidden), hidden, cache
+
+
+dense_forward_jit = jax.jit(dense_forward, static_argnums=(1,), donate_argnums=(4,))
+
+
+# ---- the paged cache: what the engine runs ---------------------------------------------------------------------------
+
+
+def paged_forward(params, cfg: TargetConfig, spec, arrays, page_table, swa_of_full, tokens, start, num_tokens,
+                  *, use_kernels: bool = True):
+    """Process tokens [B, T] over the paged cache: row b writes positions start[b] .. start[b] + num_tokens[b] - 1
+    (prefill chunk, decode or verify); rows with num_tokens < T are padded and their outputs meaningless.
+
+    Returns (hidden [B, T, H], arrays). Logits are taken by the caller on the rows it needs (`logits`).
+    """
+    meta = step_metadata(cfg, spec, page_table, swa_of_full, start, num_tokens, tokens.shape[1],
+                         use_kernels=use_kernels)
+    return forward(params, cfg, tokens, meta["positions"], paged_attend(cfg, meta, use_kernels=use_kernels), arrays)

@@ -1,0 +1,103 @@
+"""Building blocks of the Gemma 4 / Gemma 3 text decoder (exact semantics: shared/reference/gemma4_arch.md §2)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import Rope, rope_inv_freq
+
+
+def acc_dtype(dtype):
+    """Accumulation dtype: fp32 for bf16/fp32 activations, fp64 when the model runs in fp64 (oracle tests)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def rms_norm(x, weight=None, eps: float = 1e-6):
+    """x * (mean(x²) + eps)^-1/2 * weight, computed in fp32 and cast back. `weight` is fp32 (Gemma 3's 1+w is folded
+    in at load time), None for the weightless v-norm / router norm."""
+    xf = x.astype(acc_dtype(x.dtype))
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        y = y * weight.astype(xf.dtype)
+    return y.astype(x.dtype)
+
+
+def apply_rope(x, positions, rope: Rope):
+    """Rotary embedding in the rotate-half layout (pairs i and i + D/2).
+
+    x: [B, T, N, D]; positions: int32[B, T]. Proportional (partial) RoPE has zero tail frequencies, which leaves
+    those dims unrotated (cos 1, sin 0).
+    """
+    D = x.shape[-1]
+    acc = acc_dtype(x.dtype)
+    inv = jnp.asarray(rope_inv_freq(rope, D, np.dtype(acc)))  # [D/2]
+    f = positions.astype(acc)[..., None] * inv  # [B, T, D/2]
+    emb = jnp.concatenate([f, f], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    xf = x.astype(acc)
+    rot = jnp.concatenate([-xf[..., D // 2:], xf[..., : D // 2]], axis=-1)
+    return (xf * cos + rot * sin).astype(x.dtype)
+
+
+def gelu_tanh(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
+def linear(x, w):
+    """x @ w.T with w in HF layout [out, in]."""
+    return jnp.einsum("...i,oi->...o", x, w)
+
+
+def gated_mlp(x, gate_up, down):
+    """down(gelu_tanh(gate(x)) * up(x)); gate_up: [2I, H] (gate rows first), down: [H, I]."""
+    gu = linear(x, gate_up)
+    g, u = jnp.split(gu, 2, axis=-1)
+    return linear(gelu_tanh(g) * u, down)
+
+
+def moe(x, residual, w, *, top_k: int, eps: float):
+    """The MoE branch of a Gemma 4 26B-A4B layer (router on the residual stream, experts on its own norm).
+
+    x is unused by the router on purpose: transformers routes the pre-MLP residual. residual: [..., H].
+    w: router_proj [E, H], router_scale [H], per_expert_scale [E], experts_gate_up [E, 2I, H], experts_down [E, H, I],
+    moe_norms[1] = pre_feedforward_layernorm_2.
+    Returns the expert mixture [..., H] (before post_feedforward_layernorm_2).
+    """
+    del x
+    shape = residual.shape
+    r = residual.reshape(-1, shape[-1])  # [N, H]
+    H = shape[-1]
+    rn = rms_norm(r, None, eps) * w["router_scale"].astype(r.dtype) * H**-0.5
+    acc = acc_dtype(r.dtype)
+    probs = jax.nn.softmax(linear(rn, w["router_proj"]).astype(acc), axis=-1)  # [N, E]
+    topw, topi = jax.lax.top_k(probs, top_k)
+    topw = topw / jnp.sum(topw, axis=-1, keepdims=True) * w["per_expert_scale"][topi].astype(acc)
+    x2 = rms_norm(r, w["moe_norms"][0], eps)  # [N, H]
+    E = w["experts_gate_up"].shape[0]
+    if r.shape[0] * top_k <= E:
+        # Few tokens (decode): read only the selected experts' weights.
+        gu = jnp.einsum("nh,nkih->nki", x2, w["experts_gate_up"][topi])
+        g, u = jnp.split(gu, 2, axis=-1)
+        y = jnp.einsum("nki,nkhi->nkh", gelu_tanh(g) * u, w["experts_down"][topi])
+        out = jnp.sum(y.astype(acc) * topw[..., None], axis=1)
+    else:
+        # Many tokens (prefill): every expert on every token, combined with routing weights (0 off the top-k).
+        dense_w = jnp.zeros(probs.shape, acc).at[jnp.arange(r.shape[0])[:, None], topi].set(topw)
+        gu = jnp.einsum("nh,eih->nei", x2, w["experts_gate_up"])
+        g, u = jnp.split(gu, 2, axis=-1)
+        y = jnp.einsum("nei,ehi->neh", gelu_tanh(g) * u, w["experts_down"])
+        out = jnp.einsum("neh,ne->nh", y.astype(acc), dense_w)
+    return out.astype(residual.dtype).reshape(shape)
+
+
+def softcap(x, cap):
+    if not cap:
+        return x
+    return jnp.tanh(x / cap) * cap
+
+
+def sqrt_scale(n: int, dtype):
+    """sqrt(n) cast to the weight dtype, as transformers does (bf16: sqrt(1536) = 39.25)."""
+    return jnp.asarray(np.float32(np.sqrt(n)), dtype)

@@ -1,0 +1,205 @@
+"""Pallas (Triton) kernel: flash-decoding attention over KV rows gathered by slot index.
+
+Contract: `reference.paged_attention_ref`. Used for decode (Tq=1), verify (Tq=k+1) and the drafter (Tq=1, reads only).
+
+Layout: the Tq queries and the G query heads of one kv head are folded into the rows of one query block (row
+r = t * G + g), so a program reads each K/V row once for all of them. Each batch row's live key range
+`[first, last)`, the keys that some query may see, is cut into `num_splits` pieces whose size follows the row's live
+length; program (b, kv_head, row_block, split) walks its piece in blocks of `block_k` keys with a dynamic loop bound,
+so the work scales with live keys, never with `width`. It keeps a running max / sum / accumulator in fp32, and a
+small jnp epilogue merges the splits by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# jax 0.11 lowers pallas_call on GPU to Triton and warns that this backend is deprecated; it is the one we target.
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
+
+_MIN_DOT = 16  # tt.dot needs M, N, K >= 16
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _attention_kernel(span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, k_ref, v_ref,
+                      o_ref, m_ref, l_ref, *, scale: float, block_k: int, num_splits: int, layer: int | None):
+    """Program (b, h, row_block, split): unnormalised attention of one query block over one piece of live keys.
+
+    span_ref: int32[B, 2] live key range [first, last) per row (indices into kv_indices)
+    row_lo_ref, row_hi_ref: int32[block_q] absolute position range each query row may see
+    q_ref: [block_q, D]; k_ref, v_ref: [num_slots, KVH, D], or [L, num_slots, KVH, D] read at `layer`
+    o_ref: fp32[block_q, D] accumulator, m_ref / l_ref: fp32[block_q] running max / sum (max -inf: no key seen)
+    """
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    split = pl.program_id(3)
+    width = kv_indices_ref.shape[1]
+    block_q, head_dim = q_ref.shape
+
+    first = span_ref[b, 0]
+    last = span_ref[b, 1]
+    kv_start = kv_start_ref[b]
+    chunk = pl.cdiv(pl.cdiv(last - first, num_splits), block_k) * block_k
+    lo = first + split * chunk
+    hi = jnp.minimum(lo + chunk, last)
+    num_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
+
+    q = q_ref[...]
+    row_lo = row_lo_ref[...][:, None]  # [block_q, 1]
+    row_hi = row_hi_ref[...][:, None]
+
+    def body(j, carry):
+        acc, m_prev, l_prev = carry
+        i = lo + j * block_k + lax.iota(jnp.int32, block_k)  # [block_k] entries of kv_indices
+        in_piece = i < hi
+        pos = (kv_start + i)[None, :]
+        valid = (pos >= row_lo) & (pos <= row_hi) & in_piece[None, :]  # [block_q, block_k]
+        key_live = jnp.max(valid.astype(jnp.int32), axis=0) > 0  # [block_k]: some query sees the key
+        # Entries no query sees are never dereferenced (they may be unwritten); slot 0 is always in bounds.
+        slots = jnp.where(key_live, kv_indices_ref[b, jnp.minimum(i, width - 1)], 0)
+        if layer is None:
+            k = k_ref[slots, h, :]  # [block_k, D]
+            v = v_ref[slots, h, :]
+        else:
+            k = k_ref[layer, slots, h, :]
+            v = v_ref[layer, slots, h, :]
+        v = jnp.where(key_live[:, None], v, jnp.zeros((), v.dtype))  # 0 * NaN would leak through P.V
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32) * scale
+        s = jnp.where(valid, s, -jnp.inf)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        correction = jnp.exp(m_prev - m_safe)
+        p = jnp.where(valid, jnp.exp(s - m_safe[:, None]), 0.0)
+        l_next = correction * l_prev + jnp.sum(p, axis=1)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+        return correction[:, None] * acc + pv, m_next, l_next
+
+    init = (
+        jnp.zeros((block_q, head_dim), jnp.float32),
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    acc, m, l = lax.fori_loop(0, num_blocks, body, init)
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _live_span(kv_start, q_lo, q_hi, width: int):
+    """int32[B, 2]: the kv_indices range [first, last) holding every key that some query of the row may see."""
+    nonempty = q_lo <= q_hi  # [B, Tq]
+    any_query = jnp.any(nonempty, axis=1)
+    lo = jnp.min(jnp.where(nonempty, q_lo, jnp.iinfo(jnp.int32).max), axis=1)
+    hi = jnp.max(jnp.where(nonempty, q_hi, jnp.iinfo(jnp.int32).min), axis=1)
+    first = jnp.where(any_query, jnp.clip(lo - kv_start, 0, width), 0)
+    last = jnp.where(any_query, jnp.clip(hi - kv_start + 1, first, width), first)
+    return jnp.stack([first, last], axis=1).astype(jnp.int32)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "layer", "block_k", "block_q", "num_splits", "num_warps", "num_stages", "interpret"),
+)
+def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, scale: float = 1.0,
+                    layer: int | None = None,
+                    block_k: int | None = None, block_q: int | None = None, num_splits: int = 8,
+                    num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None):
+    """Attention of q over the keys listed in `kv_indices` (kernel of `paged_attention_ref`).
+
+    q: [B, Tq, NH, D]; k_cache, v_cache: [num_slots, KVH, D]; NH = G * KVH; D a power of two >= 16. With `layer`,
+    k_cache / v_cache are a layer stack [L, num_slots, KVH, D] read at that layer (no slice copy of the stack).
+    kv_indices: int32[B, width]: key i of row b sits in slot kv_indices[b, i], position kv_start[b] + i.
+    q_lo, q_hi: int32[B, Tq]: query t may attend the keys whose position p satisfies q_lo <= p <= q_hi.
+    Only entries i in [min_t q_lo - kv_start, max_t q_hi - kv_start] (clipped to the width) are read, and of those
+    only the ones some query may see are dereferenced.
+    block_k: keys per step (power of two >= 16); block_q: query rows per program (power of two >= 16; Tq * G rows
+    are split over ceil(Tq * G / block_q) programs, each re-reading the keys); num_splits: pieces of the live range.
+    interpret: None runs the interpreter on CPU backends and compiles with Triton elsewhere.
+    Returns [B, Tq, NH, D] in q.dtype.
+    """
+    B, Tq, NH, D = q.shape
+    KVH = k_cache.shape[-2]
+    if NH % KVH:
+        raise ValueError(f"query heads ({NH}) must be a multiple of kv heads ({KVH})")
+    G = NH // KVH
+    width = kv_indices.shape[1]
+    rows = Tq * G
+    if block_k is None:
+        block_k = 64 if D <= 128 else 32
+    if block_q is None:
+        block_q = max(_MIN_DOT, 16384 // D)  # bounds the fp32 accumulator at 16K elements
+    block_q = min(block_q, max(_MIN_DOT, _next_pow2(rows)))
+    for name, size in (("head_dim", D), ("block_k", block_k), ("block_q", block_q)):
+        if size & (size - 1) or size < _MIN_DOT:
+            raise ValueError(f"{name} ({size}) must be a power of two >= {_MIN_DOT}")
+    if num_warps is None:
+        num_warps = 4 if D <= 128 else 8
+    if num_stages is None:
+        num_stages = 1 if D >= 512 else 2  # head_dim 512 K/V tiles overflow shared memory with 2 stages
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    row_blocks = pl.cdiv(rows, block_q)
+    padded_rows = row_blocks * block_q
+
+    # Rows r = t * G + g; padding rows see no key (lo > hi) and come out as 0.
+    q_rows = q.reshape(B, Tq, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(B, KVH, rows, D)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))  # [B, KVH, R, D]
+    row_lo = jnp.pad(jnp.repeat(q_lo.astype(jnp.int32), G, axis=1), ((0, 0), (0, padded_rows - rows)),
+                     constant_values=1)  # [B, R]
+    row_hi = jnp.pad(jnp.repeat(q_hi.astype(jnp.int32), G, axis=1), ((0, 0), (0, padded_rows - rows)),
+                     constant_values=0)
+    span = _live_span(kv_start.astype(jnp.int32), q_lo.astype(jnp.int32), q_hi.astype(jnp.int32), width)
+
+    kernel = functools.partial(_attention_kernel, scale=scale, block_k=block_k, num_splits=num_splits, layer=layer)
+
+    def whole(shape):  # read by slot or row index inside the kernel
+        return pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))
+
+    rows_spec = pl.BlockSpec((None, block_q), lambda b, h, r, s: (b, r))
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(B, KVH, row_blocks, num_splits),
+        in_specs=[
+            whole(span.shape),
+            whole(kv_start.shape),
+            whole(kv_indices.shape),
+            rows_spec,
+            rows_spec,
+            pl.BlockSpec((None, None, block_q, D), lambda b, h, r, s: (b, h, r, 0)),
+            whole(k_cache.shape),
+            whole(v_cache.shape),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_q, D), lambda b, h, r, s: (b, h, s, r, 0)),
+            pl.BlockSpec((None, None, None, block_q), lambda b, h, r, s: (b, h, s, r)),
+            pl.BlockSpec((None, None, None, block_q), lambda b, h, r, s: (b, h, s, r)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows), jnp.float32),
+            jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows), jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="paged_attention",
+    )(span, kv_start.astype(jnp.int32), kv_indices.astype(jnp.int32), row_lo, row_hi, q_rows, k_cache, v_cache)
+
+    # Merge the splits: a split that saw no key has m = -inf and weight 0.
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    weight = jnp.exp(m - jnp.where(m_all == -jnp.inf, 0.0, m_all))  # [B, KVH, S, R]
+    denom = jnp.sum(weight * l, axis=2)  # [B, KVH, R]
+    out = jnp.sum(weight[..., None] * o, axis=2) / jnp.where(denom > 0, denom, 1.0)[..., None]
+    out = out[:, :, :rows].reshape(B, KVH, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, NH, D)
+    return out.astype(q.dtype)

@@ -1,0 +1,210 @@
+"""Pallas kernels vs their jnp references (CPU: interpreter; GPU: the same tests compile real Triton kernels).
+
+Batches mix rows of every interesting cached length (0, 1, W-1, W, W+1, many pages, exactly `width` live entries) and a
+padded row (ends == starts, empty query range); pages are distinct per row as a real allocator hands them out, and the
+sliding layers read through a random full -> SWA page mapping. Isolation: every slot that no live entry references
+holds NaN (so do the dead entries of kv_indices), and the kernel must still match the reference on clean data.
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.pallas.kv_indices import gather_kv_indices
+from jaxspec.pallas.paged_attention import paged_attention
+from jaxspec.pallas.reference import gather_kv_indices_ref, paged_attention_ref
+
+# The kernel modules silence this at import, but pytest resets warning filters for each test.
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+
+
+def exact_reference(fn, *static):
+    """The reference jitted (one XLA program per shape, not op-by-op dispatch) with true fp32 matmuls: on GPU, XLA's
+    default precision would run fp32 einsums in TF32, far outside the 1e-5 tolerance."""
+    jitted = jax.jit(fn, static_argnames=static)
+
+    def call(*args, **kwargs):
+        with jax.default_matmul_precision("highest"):
+            return jitted(*args, **kwargs)
+
+    return call
+
+
+gather_kv_indices_ref = exact_reference(gather_kv_indices_ref, "width", "page_size")
+paged_attention_ref = exact_reference(paged_attention_ref, "scale")
+
+PAGE = 4
+WINDOW = 8  # a sliding-layer query at position p sees p - WINDOW .. p (WINDOW + 1 keys)
+BLOCK = 8  # gather block of the attention tests
+CACHED = (0, 1, WINDOW - 1, WINDOW, WINDOW + 1, 40)
+
+
+def make_batch(rng, *, cached, tq, window, translate, block=BLOCK):
+    """Page tables, windows and query ranges of a mixed batch; the last row is padding.
+
+    Row b holds keys 0 .. cached[b] + tq - 1 (the tq new tokens are written before attention, as in verify); query t
+    sits at cached[b] + t. window None: a full layer. The width is the longest live window rounded up to `block`.
+    """
+    B = len(cached) + 1
+    ctx = [c + tq for c in cached]
+    max_pages = -(-max(ctx + [window or 0]) // PAGE) + 2
+    num_full_pages = sum(-(-n // PAGE) for n in ctx) + 6
+    free = list(rng.permutation(np.arange(1, num_full_pages)))
+    page_table = np.zeros((B, max_pages), np.int32)
+    starts = np.zeros(B, np.int32)
+    ends = np.zeros(B, np.int32)
+    q_lo = np.zeros((B, tq), np.int32)
+    q_hi = np.full((B, tq), -1, np.int32)  # padding row: no query sees anything
+    for b, c in enumerate(cached):
+        for p in range(-(-(c + tq) // PAGE)):
+            page_table[b, p] = free.pop()
+        q_hi[b] = c + np.arange(tq)
+        q_lo[b] = 0 if window is None else np.maximum(q_hi[b] - window, 0)
+        starts[b], ends[b] = q_lo[b, 0], c + tq
+    swa_of_full = None
+    num_pages = num_full_pages
+    if translate:
+        window_pages = sorted({page_table[b, p] for b in range(B) if ends[b] > starts[b]
+                               for p in range(starts[b] // PAGE, (ends[b] - 1) // PAGE + 1)})
+        num_pages = len(window_pages) + 3
+        # Pages out of every window keep stale SWA ids (possibly another row's): they must never be read.
+        swa_of_full = rng.integers(1, num_pages, num_full_pages).astype(np.int32)
+        swa_of_full[window_pages] = rng.permutation(np.arange(1, num_pages))[: len(window_pages)]
+        swa_of_full[0] = 0
+    width = -(-int((ends - starts).max()) // block) * block
+    return types.SimpleNamespace(
+        page_table=jnp.asarray(page_table), starts=jnp.asarray(starts), ends=jnp.asarray(ends),
+        swa_of_full=None if swa_of_full is None else jnp.asarray(swa_of_full), q_lo=jnp.asarray(q_lo),
+        q_hi=jnp.asarray(q_hi), width=width, num_slots=num_pages * PAGE,
+    )
+
+
+def live_mask(batch):
+    return np.arange(batch.width)[None, :] < np.asarray(batch.ends - batch.starts)[:, None]
+
+
+@pytest.mark.parametrize("window", [None, WINDOW], ids=["full", "sliding"])
+@pytest.mark.parametrize("translate", [False, True], ids=["direct", "swa"])
+def test_gather_kv_indices_matches_reference(window, translate):
+    # block 4: the longest rows (40 + 4 full, 8 + 4 sliding) fill the width exactly.
+    batch = make_batch(np.random.default_rng(0), cached=CACHED, tq=4, window=window, translate=translate, block=4)
+    args = (batch.page_table, batch.starts, batch.ends, batch.swa_of_full)
+    got = gather_kv_indices(*args, width=batch.width, page_size=PAGE, block=4, num_splits=3)
+    want = gather_kv_indices_ref(*args, width=batch.width, page_size=PAGE)
+    live = live_mask(batch)
+    assert live[:, 0].sum() < len(live) and live.all(axis=1).any()  # a padded row and a row of exactly `width`
+    np.testing.assert_array_equal(np.asarray(got)[live], np.asarray(want)[live])
+
+
+def test_gather_kv_indices_needs_width_multiple_of_block():
+    batch = make_batch(np.random.default_rng(0), cached=(3,), tq=1, window=None, translate=False, block=4)
+    with pytest.raises(ValueError, match="dividing width"):
+        gather_kv_indices(batch.page_table, batch.starts, batch.ends, None, width=12, page_size=PAGE, block=8)
+
+
+def attention_inputs(rng, batch, *, kvh, g, tq, d, dtype):
+    """Clean and poisoned K/V pools, q, and kv_indices whose dead entries point at random (poisoned) slots."""
+    indices = gather_kv_indices(batch.page_table, batch.starts, batch.ends, batch.swa_of_full, width=batch.width,
+                                page_size=PAGE, block=BLOCK, num_splits=2)
+    live = live_mask(batch)
+    indices = np.where(live, np.asarray(indices), rng.integers(0, batch.num_slots, live.shape)).astype(np.int32)
+    k = rng.standard_normal((batch.num_slots, kvh, d)).astype(np.float32)
+    v = rng.standard_normal((batch.num_slots, kvh, d)).astype(np.float32)
+    unread = np.ones(batch.num_slots, bool)
+    unread[indices[live]] = False
+    assert unread[0] and unread.sum() > 3
+    k_bad, v_bad = k.copy(), v.copy()
+    k_bad[unread], v_bad[unread] = np.nan, np.nan
+    q = rng.standard_normal((len(live), tq, kvh * g, d)).astype(np.float32)
+    q, k, v, k_bad, v_bad = (jnp.asarray(a, dtype) for a in (q, k, v, k_bad, v_bad))
+    return types.SimpleNamespace(q=q, k=k, v=v, k_bad=k_bad, v_bad=v_bad, indices=jnp.asarray(indices))
+
+
+ATTENTION_CASES = [
+    # g, tq, d, dtype, window, cached, tuning
+    (1, 1, 16, jnp.float32, None, CACHED, dict(num_splits=1)),
+    (2, 4, 16, jnp.float32, WINDOW, CACHED, dict(num_splits=3)),
+    (4, 1, 16, jnp.float32, WINDOW, CACHED, dict(num_splits=2)),
+    (4, 4, 16, jnp.float32, None, CACHED, dict(num_splits=2)),
+    (8, 4, 16, jnp.float32, None, (WINDOW + 1, 37), dict(num_splits=2, block_q=16)),  # 32 rows: 2 row blocks
+    (2, 4, 256, jnp.bfloat16, WINDOW, (1, WINDOW + 1), dict(num_splits=2)),
+    (2, 1, 512, jnp.float32, None, (WINDOW, 21), dict(num_splits=2)),
+]
+
+
+@pytest.mark.parametrize("g,tq,d,dtype,window,cached,tuning", ATTENTION_CASES,
+                         ids=[f"g{c[0]}-tq{c[1]}-d{c[2]}-{jnp.dtype(c[3]).name}-{'swa' if c[4] else 'full'}"
+                              f"-s{c[6]['num_splits']}{'-bq' if 'block_q' in c[6] else ''}" for c in ATTENTION_CASES])
+def test_paged_attention_matches_reference(g, tq, d, dtype, window, cached, tuning):
+    rng = np.random.default_rng(0)
+    batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
+    x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
+    got = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3,
+                          block_k=16, **tuning)
+    want = paged_attention_ref(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3)
+    got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+    assert got.shape == want.shape and np.isfinite(got).all()
+    np.testing.assert_array_equal(got[-1], 0.0)  # padded row: no query sees a key
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_comparison_has_teeth():
+    """An off-by-one window start, or indices gathered without the SWA translation, must fail the comparison."""
+    g, tq, d, dtype, window, cached, tuning = ATTENTION_CASES[1]
+    rng = np.random.default_rng(1)
+    batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=True)
+    x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
+    # Untranslated indices are full-pool slots: size the pool so that they stay in bounds on a GPU too.
+    extra = batch.swa_of_full.shape[0] * PAGE
+    k = jnp.concatenate([x.k, jnp.asarray(rng.standard_normal((extra, 2, d)), dtype)])
+    v = jnp.concatenate([x.v, jnp.asarray(rng.standard_normal((extra, 2, d)), dtype)])
+    untranslated = gather_kv_indices(batch.page_table, batch.starts, batch.ends, None, width=batch.width,
+                                     page_size=PAGE, block=BLOCK, num_splits=2)
+    want = np.asarray(paged_attention_ref(x.q, k, v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3))
+
+    def run(indices, kv_start):
+        return np.asarray(paged_attention(x.q, k, v, indices, kv_start, batch.q_lo, batch.q_hi, scale=0.3,
+                                          block_k=16, **tuning))
+
+    np.testing.assert_allclose(run(x.indices, batch.starts), want, rtol=1e-5, atol=1e-5)
+    for wrong in (run(x.indices, batch.starts + 1), run(untranslated, batch.starts)):
+        with pytest.raises(AssertionError):
+            np.testing.assert_allclose(wrong, want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="on GPU the tests above compile the real kernels")
+def test_kernels_lower_to_triton_ir(monkeypatch):
+    """Gemma-sized shapes (bf16, head_dim 256/512, 128 query rows, 128K-wide tables) lower to Triton IR.
+
+    Checks the Pallas -> Triton lowering (power-of-two blocks, loops, gathers, dots), not Triton's own compiler.
+    """
+    from jax._src.pallas.triton import pallas_call_registration
+
+    fake_h200 = types.SimpleNamespace(get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90))
+    monkeypatch.setattr(pallas_call_registration, "gpu_info_lib", fake_h200)
+    spec = jax.ShapeDtypeStruct
+
+    def lower(fn, *args):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    for B, tq, kvh, g, d, width in [(4, 8, 1, 16, 512, 4096), (8, 1, 2, 4, 256, 1056), (2, 4, 2, 2, 16, 64)]:
+        dtype = jnp.float32 if d == 16 else jnp.bfloat16
+        text = lower(
+            lambda *a: paged_attention(*a, interpret=False),
+            spec((B, tq, kvh * g, d), dtype), spec((4096, kvh, d), dtype), spec((4096, kvh, d), dtype),
+            spec((B, width), jnp.int32), spec((B,), jnp.int32), spec((B, tq), jnp.int32), spec((B, tq), jnp.int32),
+        )
+        assert "__gpu$xla.gpu.triton" in text
+    for swa in (None, spec((4096,), jnp.int32)):
+        text = lower(
+            lambda t, s, e, m: gather_kv_indices(t, s, e, m, width=131072, page_size=16, interpret=False),
+            spec((4, 8192), jnp.int32), spec((4,), jnp.int32), spec((4,), jnp.int32), swa,
+        )
+        assert "__gpu$xla.gpu.triton" in text

@@ -1,0 +1,158 @@
+"""The JAX target (dense cache) against transformers 5.24.0 on tiny random checkpoints (goldens from tests/oracle)."""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import golden_path, load_reference
+from jaxspec.config import FULL, SLIDING, PRESETS, ConfigError, Rope, load_target_config
+from jaxspec.model import gemma4
+from jaxspec.model.weights import count_leaves, global_shapes, layer_shapes, load_target
+
+CASES = ["e2b", "moe", "dense31", "mm", "sharded", "gemma3"]
+TOL = 1e-5
+
+
+def run_dense(cfg, params, ids, dtype=jnp.float32):
+    B, T = ids.shape
+    cache = gemma4.init_dense_cache(cfg, B, T, dtype)
+    logits, hidden, cache = gemma4.dense_forward_jit(params, cfg, jnp.asarray(ids, jnp.int32), 0, cache)
+    return np.asarray(logits), np.asarray(hidden, np.float32), cache
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request):
+    name = request.param
+    cfg, params = load_target(golden_path(name, "target"), "fp32")
+    return name, cfg, params, load_reference(name)
+
+
+def test_forward_equals_transformers(case):
+    name, cfg, params, ref = case
+    logits, hidden, cache = run_dense(cfg, params, ref["prompt_ids"])
+    assert ref["prompt_ids"].shape[1] > cfg.sliding_window
+    np.testing.assert_allclose(logits, ref["logits"], atol=TOL, rtol=0)
+    np.testing.assert_allclose(hidden, ref["hidden"], atol=TOL, rtol=0)
+    for t, short in ((FULL, "full"), (SLIDING, "sliding")):
+        for kv in "kv":
+            want = ref[f"store_{short}_{kv}"].transpose(0, 2, 1, 3)  # HF [B, kvh, T, d] -> ours [B, T, kvh, d]
+            got = np.asarray(cache[f"{t}_{kv}"][-1][:, : want.shape[1]])
+            np.testing.assert_allclose(got, want, atol=TOL, rtol=0, err_msg=f"{name} store {t} {kv}")
+
+
+def test_incremental_decode_equals_full_forward(case):
+    """Prefill 11 tokens, then one token at a time through the window: the same logits as one full forward."""
+    name, cfg, params, ref = case
+    ids = jnp.asarray(ref["prompt_ids"], jnp.int32)
+    B, T = ids.shape
+    full, _, _ = run_dense(cfg, params, ids)
+    cache = gemma4.init_dense_cache(cfg, B, T, jnp.float32)
+    out, _, cache = gemma4.dense_forward_jit(params, cfg, ids[:, :11], 0, cache)
+    steps = [np.asarray(out)]
+    for p in range(11, T):
+        out, _, cache = gemma4.dense_forward_jit(params, cfg, ids[:, p : p + 1], p, cache)
+        steps.append(np.asarray(out))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=TOL, rtol=0)
+
+
+def _broken_variants(cfg, params):
+    yield "full RoPE instead of proportional", dataclasses.replace(cfg, rope_full=Rope(theta=cfg.rope_full.theta)), params
+    ones = {g: dict(w, layer_scalar=jnp.ones_like(w["layer_scalar"])) for g, w in params["layers"].items()}
+    yield "layer_scalar ignored", cfg, dict(params, layers=ones)
+    yield "window off by one", dataclasses.replace(cfg, sliding_window=cfg.sliding_window + 1), params
+
+
+def test_comparison_has_teeth():
+    """Each deliberately broken variant of the E2B-style model must fail the 1e-5 comparison."""
+    cfg, params = load_target(golden_path("e2b", "target"), "fp32")
+    ref = load_reference("e2b")
+    for what, bcfg, bparams in _broken_variants(cfg, params):
+        logits, _, _ = run_dense(bcfg, bparams, ref["prompt_ids"])
+        assert np.max(np.abs(logits - ref["logits"])) > 100 * TOL, what
+
+
+def test_bf16_close_to_fp32():
+    """bf16 weights and activations: logits within 0.1 of the fp32 golden and the same argmax on >= 95% of rows."""
+    cfg, params = load_target(golden_path("e2b", "target_bf16"), "bf16")
+    ref = load_reference("e2b")
+    logits, _, _ = run_dense(cfg, params, ref["prompt_ids"], jnp.bfloat16)
+    err = np.max(np.abs(logits - ref["logits"]))
+    agree = np.mean(logits.argmax(-1) == ref["logits"].argmax(-1))
+    print(f"bf16 vs fp32 golden: max |dlogit| {err:.4f}, argmax agreement {agree:.3f}")
+    assert err < 0.1 and agree >= 0.95
+
+
+def test_hub_style_config_reads_the_same(tmp_path):
+    """Hub configs carry global_head_dim / num_global_key_value_heads instead of per_layer_config."""
+    src = golden_path("dense31", "target")
+    d = json.load(open(os.path.join(src, "config.json")))
+    plc = d.pop("per_layer_config")
+    full = next(v for v in plc.values() if "head_dim" in v)
+    d["global_head_dim"] = full["head_dim"]
+    d["num_global_key_value_heads"] = full["num_key_value_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert load_target_config(str(tmp_path)) == load_target_config(src)
+
+
+def test_e4b_params_fit_few_leaves():
+    cfg = PRESETS["E4B"]
+    n = len(global_shapes(cfg)) + sum(len(layer_shapes(cfg, g)) for g in cfg.groups)
+    assert n <= 64, n
+    assert cfg.store_layers == {SLIDING: 22, FULL: 23}
+    cfg, params = load_target(golden_path("e2b", "target"), "fp32")
+    assert count_leaves(params) == len(global_shapes(cfg)) + sum(len(layer_shapes(cfg, g)) for g in cfg.groups)
+
+
+def _copy(tmp_path, case="e2b"):
+    dst = tmp_path / case
+    shutil.copytree(golden_path(case, "target"), dst)
+    return dst
+
+
+def test_errors_name_the_problem(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_target(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_target(str(tmp_path / "empty"))
+    d = _copy(tmp_path)
+    cfgd = json.load(open(d / "config.json"))
+    (d / "config.json").write_text(json.dumps(dict(cfgd, model_type="llama")))
+    with pytest.raises(ConfigError, match="unsupported model_type 'llama'"):
+        load_target(str(d))
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="malformed"):
+        load_target(str(d))
+    (d / "config.json").write_text(json.dumps(cfgd))
+    with pytest.raises(ConfigError, match="unsupported dtype 'fp8'"):
+        load_target(str(d), "fp8")
+
+
+def _rewrite_tensors(path, fn):
+    from safetensors.numpy import load_file, save_file
+
+    f = os.path.join(path, "model.safetensors")
+    tensors = fn(load_file(f))
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
+def test_missing_and_misshapen_tensors(tmp_path):
+    d = _copy(tmp_path)
+    _rewrite_tensors(d, lambda t: {k: v for k, v in t.items() if k != "model.layers.1.self_attn.q_proj.weight"})
+    with pytest.raises(ConfigError, match=r"missing tensor model\.layers\.1\.self_attn\.q_proj\.weight"):
+        load_target(str(d))
+    d = _copy(tmp_path / "b")
+    _rewrite_tensors(d, lambda t: dict(t, **{"model.layers.0.mlp.down_proj.weight":
+                                             t["model.layers.0.mlp.down_proj.weight"][:, :-1]}))
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.mlp\.down_proj\.weight has shape \(64, 127\), "
+                                          r"expected \(64, 128\)"):
+        load_target(str(d))
+    d = _copy(tmp_path / "c")
+    _rewrite_tensors(d, lambda t: dict(t, **{"model.norm.weight": t["model.norm.weight"].astype(np.int8)}))
+    with pytest.raises(ConfigError, match="unsupported dtype I8"):
+        load_target(str(d))

@@ -37,6 +37,12 @@ def assert_same(a, b):
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
+def free_checking_version(pool, rid):
+    swa_of_full, version = pool.swa_of_full.copy(), pool.version
+    pool.free(rid)
+    assert (pool.version > version) == (not np.array_equal(swa_of_full, pool.swa_of_full))
+
+
 def check_invariants(pool, windows):
     """`windows[rid]` = (start, end) of the request's last successful prepare ((0, 0) before its first)."""
     rids = pool.requests
@@ -118,7 +124,7 @@ def run_engine(seed, *, num_requests):
                 windows[rid] = (start, end)
                 cached[rid] = end if start < prompt else min(total, start + int(rng.integers(1, k + 2)))
                 if cached[rid] >= total:
-                    pool.free(rid)
+                    free_checking_version(pool, rid)
                     running.remove(rid)
                     del windows[rid], cached[rid]
                     finished += 1
@@ -127,7 +133,7 @@ def run_engine(seed, *, num_requests):
                 assert_same(before, snapshot(pool))
                 assert len(running) > 1, "a lone request must always fit"
                 victim = running[-1]  # the newest, as an engine would: the oldest always progresses
-                pool.free(victim)
+                free_checking_version(pool, victim)
                 running.remove(victim)
                 del windows[victim], cached[victim]
                 waiting.append(victim)
@@ -141,7 +147,7 @@ def run_engine(seed, *, num_requests):
     return failures
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(5))
 def test_random_engine_keeps_every_invariant(seed):
     assert run_engine(seed, num_requests=100) > 0  # the pools are tight enough that prepares fail
 
@@ -151,35 +157,44 @@ def test_swa_bound_holds_far_past_the_window():
     assert pool.swa_pages_bound == -(-(7 + 8) // 4) + 1
     pool.add("a")
     windows = {"a": (0, 0)}
+    steps = [(0, 8), (8, 16), (16, 19)]  # a prefill of 19, then verify steps of k+1 = 4 positions
     rng = np.random.default_rng(0)
-    start = 0
-    for start, end in [(0, 8), (8, 16), (16, 19)]:
-        assert pool.prepare("a", start, end)
-        windows["a"] = (start, end)
-        check_invariants(pool, windows)
     start = 16
     while start + 4 <= 790:  # a 790-position request, ~100x the window
         start += int(rng.integers(1, 5))
-        assert pool.prepare("a", start, start + 4)
-        windows["a"] = (start, start + 4)
+        steps.append((start, start + 4))
+    for start, end in steps:
+        assert pool.prepare("a", start, end)
+        windows["a"] = (start, end)
         check_invariants(pool, windows)
-        assert pool.swa_pages_of("a") <= pool.swa_pages_bound
-    assert pool.full_pages_of("a") == -(-(start + 4) // 4)
+    assert pool.full_pages_of("a") == -(-end // 4)
 
 
-def test_failed_prepare_changes_nothing():
-    pool = make_pool(page_size=4, window=6, k=3, chunk=8, num_full_pages=8, num_swa_pages=20, max_pages=8)
+@pytest.mark.parametrize("short_of", ["full", "swa"])
+def test_failed_prepare_changes_nothing(short_of):
+    pool = make_pool(
+        page_size=4,
+        window=6,
+        k=3,
+        chunk=8,
+        max_pages=8,
+        num_full_pages=8 if short_of == "full" else 64,
+        num_swa_pages=20 if short_of == "full" else None,  # None: one request's bound
+    )
     pool.add("a")
     pool.add("b")
     assert pool.prepare("a", 0, 8) and pool.prepare("a", 8, 16)
-    assert pool.prepare("b", 0, 8)
+    if short_of == "full":
+        assert pool.prepare("b", 0, 8)
+        failing, retry = (12, 16), (8, 16)  # b needs two more full pages; one is free
+    else:
+        failing, retry = (0, 8), (0, 8)  # b needs two SWA pages; a holds four of the five
     before = snapshot(pool)
-    assert not pool.can_prepare("b", 8, 16)  # b needs two more full pages; one is free
-    assert not pool.prepare("b", 8, 16)
+    assert not pool.can_prepare("b", *failing)
+    assert not pool.prepare("b", *failing)
     assert_same(before, snapshot(pool))
     pool.free("a")
-    assert pool.prepare("b", 8, 16)
-    assert pool.prepare("b", 8, 12)  # the failed prepare did not move b's start
+    assert pool.prepare("b", *retry)  # the failed prepare did not move b's start either
 
 
 def test_released_swa_pages_count_toward_a_prepare():

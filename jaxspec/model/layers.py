@@ -53,8 +53,8 @@ def linear(x, w):
 def gated_mlp(x, gate_up, down):
     """down(gelu_tanh(gate(x)) * up(x)); gate_up: [2I, H] (gate rows first), down: [H, I]."""
     gu = linear(x, gate_up)
-    g, u = jnp.split(gu, 2, axis=-1)
-    return linear(gelu_tanh(g) * u, down)
+    g, u = jnp.split(gu.astype(acc_dtype(x.dtype)), 2, axis=-1)  # one rounding, whether fused (jit) or not (eager)
+    return linear((gelu_tanh(g) * u).astype(x.dtype), down)
 
 
 def moe(x, residual, w, *, top_k: int, eps: float):

@@ -91,7 +91,7 @@ def assistant_global_shapes(acfg: AssistantConfig) -> dict[str, tuple[int, ...]]
 def _leaf_dtype(name: str, dtype):
     if name == "token_ordering":
         return jnp.int32
-    return jnp.float32 if name in F32_LEAVES else dtype
+    return jnp.promote_types(dtype, jnp.float32) if name in F32_LEAVES else dtype
 
 
 # ---- reading safetensors -------------------------------------------------------------------------------------------
@@ -150,7 +150,7 @@ def _layer_tensor(ck: Checkpoint, cfg: TargetConfig, pre: str, name: str, shape)
     H = shape[-1] if shape else None
 
     def g(n, s):
-        return ck.get(pre + n, s).astype(np.float32)
+        return ck.get(pre + n, s)
 
     if name == "norms":
         ws = [g(n + ".weight", (H,)) for n in ("input_layernorm", "post_attention_layernorm",
@@ -165,7 +165,7 @@ def _layer_tensor(ck: Checkpoint, cfg: TargetConfig, pre: str, name: str, shape)
         return np.concatenate([ck.get(pre + "mlp.gate_proj.weight", half), ck.get(pre + "mlp.up_proj.weight", half)])
     if name == "layer_scalar":
         if cfg.model_type == "gemma3_text":
-            return np.ones((), np.float32)
+            return np.ones((), np.float32)  # Gemma 3 has no layer_scalar
         return g("layer_scalar", ()).reshape(())
     hf = {
         "q_proj": "self_attn.q_proj.weight", "q_norm": "self_attn.q_norm.weight", "o_proj": "self_attn.o_proj.weight",
@@ -181,7 +181,7 @@ def _layer_tensor(ck: Checkpoint, cfg: TargetConfig, pre: str, name: str, shape)
 
 def _fold_norm(cfg: TargetConfig, name: str, arr: np.ndarray) -> np.ndarray:
     if cfg.norm_plus_one and name in ("norms", "q_norm", "k_norm", "final_norm"):
-        return arr.astype(np.float32) + np.float32(1.0)
+        return arr.astype(np.float64) + 1.0  # rounded once, to the leaf dtype, as transformers' 1.0 + w.float()
     return arr
 
 
@@ -203,7 +203,10 @@ def _load_layers(ck: Checkpoint, cfg: TargetConfig, prefix: str, dtype) -> dict:
 
 
 def load_target(path: str, dtype="fp32") -> tuple[TargetConfig, dict]:
-    """Config and params of a Gemma 4 / Gemma 3 text checkpoint (text-only or the multimodal wrapper)."""
+    """Config and params of a Gemma 4 / Gemma 3 text checkpoint (text-only or the multimodal wrapper).
+
+    dtype: "bf16" | "fp32" (or a jnp dtype; tests use jnp.float64 under jax.enable_x64 for oracle comparisons).
+    """
     dtype = compute_dtype(dtype) if isinstance(dtype, str) else dtype
     cfg = load_target_config(path)
     ck = Checkpoint(path)

@@ -174,3 +174,55 @@ def paged_attend(cfg: TargetConfig, meta, *, use_kernels: bool):
         return out, arrays
 
     return attend
+
+
+# ---- the drafter's read-only view: one window per attention type, shared by all k steps --------------------------
+
+
+def draft_window_width(cfg: TargetConfig, spec: CacheSpec, layer_type: str, window: int) -> int:
+    return round_width(spec.max_context if layer_type == FULL else window + 1)
+
+
+def draft_bounds(layer_type: str, cached_len, window: int):
+    """The drafter's window of one attention type: positions [kv_start, cached_len); sliding layers see the last
+    window + 1 committed positions (transformers' assistant mask), full layers all of them."""
+    if layer_type == SLIDING:
+        return jnp.maximum(cached_len - window - 1, 0)
+    return jnp.zeros_like(cached_len)
+
+
+def draft_metadata(cfg: TargetConfig, spec: CacheSpec, page_table, swa_of_full, cached_len, window: int,
+                   layer_types, *, use_kernels: bool = True):
+    """Index lists of the drafter's windows (device side, live entries only, SWA translation in the same kernel).
+
+    cached_len: int32[B] (0 for padded rows: they see no key). Returns {type: {read, kv_start, q_lo, q_hi}}.
+    """
+    gather = gather_kv_indices if use_kernels else gather_kv_indices_ref
+    meta = {}
+    for t in sorted(set(layer_types)):
+        kv_start = draft_bounds(t, cached_len, window)
+        meta[t] = {
+            "read": gather(page_table, kv_start, cached_len, swa_of_full if t == SLIDING else None,
+                           width=draft_window_width(cfg, spec, t, window), page_size=spec.page_size),
+            "kv_start": kv_start,
+            "q_lo": kv_start[:, None],
+            "q_hi": (cached_len - 1)[:, None],
+        }
+    return meta
+
+
+def draft_attend(cfg: TargetConfig, layer_types, meta, *, use_kernels: bool = True):
+    """An `Attend` for drafter layer i (type layer_types[i]): Q-only attention over the target store layer."""
+    store = {t: len(cfg.kv_layers[t]) - 1 for t in cfg.kv_layers if cfg.kv_layers[t]}
+
+    def attend(arrays, i, q, k, v):
+        t = layer_types[i]
+        m, slot = meta[t], store[t]
+        k_all, v_all = arrays[f"{t}_k"], arrays[f"{t}_v"]
+        if use_kernels:
+            out = paged_attention(q, k_all, v_all, m["read"], m["kv_start"], m["q_lo"], m["q_hi"], layer=slot)
+        else:
+            out = paged_attention_ref(q, k_all[slot], v_all[slot], m["read"], m["kv_start"], m["q_lo"], m["q_hi"])
+        return out, arrays
+
+    return attend

@@ -7,7 +7,8 @@ Run (needs torch, so Python 3.11 here):
 For every case it writes
     <out>/<case>/target/            save_pretrained (safetensors, fp32)
     <out>/<case>/assistant*/        Gemma4AssistantForCausalLM drafters (cases that have them)
-    <out>/<case>/reference.npz      goldens (see README.md / build_case for the keys)
+    <out>/<case>/reference.npz      goldens (see README.md / build_case for the keys); the *64 keys are float64
+                                    goldens of the same models (see float64_goldens)
 and <out>/manifest.json (cases, shapes, versions).
 
 Determinism: torch.manual_seed per case, one intra-op thread, and an npz writer with fixed zip timestamps, so a
@@ -32,6 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -46,8 +49,6 @@ from transformers import modeling_rope_utils
 from transformers.modeling_rope_utils import dynamic_rope_update
 from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.gemma4 import modeling_gemma4
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 V = 512  # vocab
 H = 64  # target hidden
@@ -362,9 +363,21 @@ def assistant_steps(target, assistants, asst_dirs, ids, ref, feed_ids=None):
     return res, n_checked
 
 
+@torch.no_grad()
+def assistant_inputs(target, ids, conv):
+    """The explicit drafter inputs of the assistant goldens: the target's post-norm hidden and store-layer K/V over
+    the assistant prompt (so the engine's step test can feed exactly the same K/V and seed hidden)."""
+    out = target(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True,
+                 return_shared_kv_states=True, use_cache=False)
+    res = {"asst_hidden": conv(out.hidden_states[-1])}
+    for n, lt in (("full", F), ("sliding", S)):
+        res[f"asst_store_{n}_k"], res[f"asst_store_{n}_v"] = (conv(t) for t in out.shared_kv_states[lt])
+    return res
+
+
 def assistant_goldens(target, assistants, asst_dirs, ids, ref):
     steps, n_checked = assistant_steps(target, assistants, asst_dirs, ids, ref)
-    res = {}
+    res = assistant_inputs(target, ids, f32)
     for name, (lg, h, tok) in steps.items():
         res[f"{name}_cached_len"] = np.array(CACHED_LENS, dtype=np.int64)
         res[f"{name}_logits"] = f32(lg)  # [8, 3, V]
@@ -389,9 +402,9 @@ def check_target_vs_ref(ref, case, model, tdir, res):
 # ----------------------------------------------------------------------------------------------- float64 goldens
 # The *64 keys come from the same transformers modules run in float64 (weights upcast from the fp32 checkpoint with
 # model.to(torch.float64)). transformers hard-codes fp32 in a few places on the forward path; `float64_compute()`
-# swaps those functions for copies whose compute dtype follows the input: float32 for fp32/bf16/fp16
-# inputs (the copies then do exactly what the originals do; asserted bit-exact on the fp32 forward) and float64 for
-# float64 inputs. Everything is restored on exit. Patched (transformers 5.24.0):
+# swaps those functions for copies whose compute dtype follows the input: float32 for fp32/bf16/fp16 inputs (the
+# copies then do exactly what the originals do; asserted bit-exact on the fp32 forward) and float64 for float64
+# inputs. Everything is restored on exit. Patched (transformers 5.24.0):
 #   Gemma4RMSNorm.forward / Gemma3RMSNorm.forward   x.float(), weight.float()
 #   modeling_gemma4/modeling_gemma3.eager_attention_forward   softmax(dtype=torch.float32)
 #   Gemma4TextRouter.forward                        softmax(dtype=torch.float32)
@@ -400,7 +413,8 @@ def check_target_vs_ref(ref, case, model, tdir, res):
 # re-running transformers' own RoPE init with torch.float / torch.float32 mapped to float64. The embedding scales
 # (Gemma*TextScaledWordEmbedding.embed_scale = torch.tensor(sqrt(n)), fp32, a buffer like layer_scalar) are upcast
 # like the weights, i.e. kept at the fp32 value of sqrt(n), which is what transformers multiplies by at any dtype
-# (exact for n = 64; sqrt(8) for the PLE scale differs from the float64 sqrt(8) by 2.6e-8 relative).
+# (exact for n = 64; the PLE scale fp32(sqrt(8)) is 1.7e-8 relative below the float64 sqrt(8)).
+# The MoE experts run transformers' "eager" loop in float64 (the default grouped_mm has no float64 CPU kernel).
 # `NoFloat32` then asserts that no op of the float64 forward sees or makes a non-float64 floating tensor.
 F64_CALLS = collections.Counter()  # patched function -> calls with float64 inputs (asserted > 0: the patch is live)
 
@@ -452,7 +466,8 @@ def _rotary_forward(self, x, position_ids, layer_type):  # Gemma4TextRotaryEmbed
     inv_freq = getattr(self, f"{layer_type}_inv_freq")
     attention_scaling = getattr(self, f"{layer_type}_attention_scaling")
     acc = _acc(x.dtype)
-    assert inv_freq.dtype == acc, f"{type(self).__name__}: {layer_type}_inv_freq is {inv_freq.dtype}, input {x.dtype}"
+    # float64 needs to_float64()'s recomputed inv_freq (a plain .to(float64) keeps the fp32-rounded values)
+    assert acc != torch.float64 or getattr(self, "inv_freq_float64", False), "RoPE inv_freq not recomputed in float64"
     freqs = position_ids[..., None].to(acc) * inv_freq.to(device=x.device, dtype=acc)
     emb = torch.cat((freqs, freqs), dim=-1)
     cos = emb.cos() * attention_scaling
@@ -527,6 +542,10 @@ def to_float64(model):
     """A float64 copy of `model`: parameters and buffers upcast (model.to(torch.float64)); RoPE inv_freq recomputed
     in float64 by transformers' own __init__ code (rope init functions of modeling_rope_utils / the modeling file)."""
     m = copy.deepcopy(model).to(torch.float64)
+    experts = [mod for mod in m.modules() if isinstance(mod, modeling_gemma4.Gemma4TextExperts)]
+    if experts:  # the default grouped_mm (torch.nn.functional.grouped_mm) has no float64 kernel: use the eager loop
+        m.set_experts_implementation("eager")
+        assert all(e.config._experts_implementation == "eager" for e in experts)
     n_rot = 0
     for mod in m.modules():
         if not isinstance(mod, ROTARY_CLASSES):
@@ -542,6 +561,7 @@ def to_float64(model):
             assert torch.allclose(b, old, rtol=4e-7, atol=0), f"{name}: float64 RoPE init != fp32 one"
             setattr(mod, name, b)
             n_rot += 1
+        mod.inv_freq_float64 = True
     assert n_rot > 0, "no RoPE inv_freq recomputed"
     bad = [n for n, t in [*m.named_parameters(), *m.named_buffers()] if t.is_floating_point() and t.dtype != torch.float64]
     assert not bad, bad
@@ -589,6 +609,7 @@ def float64_goldens(case, target, assistants, is_g4, res):
             if assistants:
                 steps, _ = assistant_steps(t64, a64, None, torch.from_numpy(res["asst_prompt_ids"]), None,
                                            feed_ids={n: res[f"{n}_ids"] for n in assistants})
+                inputs64 = assistant_inputs(t64, torch.from_numpy(res["asst_prompt_ids"]), f64)
         assert not mode.bad, f"{case}: non-float64 floating tensors in the float64 forward: {dict(mode.bad)}"
         want = {"Gemma4RMSNorm", "Gemma4TextRotaryEmbedding", "modeling_gemma4.eager_attention_forward"} if is_g4 else \
             {"Gemma3RMSNorm", "Gemma3RotaryEmbedding", "modeling_gemma3.eager_attention_forward"}
@@ -602,6 +623,8 @@ def float64_goldens(case, target, assistants, is_g4, res):
     diag["f64_vs_f32_max_abs"] = d = {
         "logits": _maxabs(out["logits64"], res["logits"]), "hidden": _maxabs(out["hidden64"], res["hidden"]),
         "store_kv": max(_maxabs(out[f"store_{n}_{kv}64"], res[f"store_{n}_{kv}"]) for n in pairs for kv in "kv")}
+    if assistants:
+        out.update({k + "64": v for k, v in inputs64.items()})
     for name in assistants:
         lg, h, tok = steps[name]
         out[f"{name}_logits64"], out[f"{name}_h_next64"] = f64(lg), f64(h)
@@ -744,7 +767,24 @@ def main():
         "torch": torch.__version__,
         # config.json does not persist it: from_pretrained() then picks sdpa (~1e-5 off); pass attn_implementation="eager"
         "attn_implementation": "eager",
-        "dtype": "float32 (e2b/target_bf16: bfloat16)",
+        "dtype": "float32 (e2b/target_bf16: bfloat16); the *64 goldens are float64",
+        "float64": {
+            "keys": "logits64, hidden64, store_{full,sliding}_{k,v}64, {assistant}_logits64, {assistant}_h_next64",
+            "how": "the same transformers modules and inputs, model.to(torch.float64) copies of the fp32 checkpoints",
+            "patched_fp32_steps": ["Gemma4RMSNorm/Gemma3RMSNorm.forward: x.float(), weight.float()",
+                                   "modeling_gemma4/modeling_gemma3.eager_attention_forward: softmax dtype float32",
+                                   "Gemma4TextRouter.forward: softmax dtype float32",
+                                   "Gemma4TextRotaryEmbedding/Gemma3RotaryEmbedding.forward: position_ids.float(), "
+                                   "inv_freq.to(torch.float)",
+                                   "RoPE inv_freq buffers: recomputed by transformers' RoPE init in float64"],
+            "kept": "embed_scale buffers stay at the fp32 value of sqrt(n) (a model constant, as transformers "
+                    "multiplies by it at any dtype; exact for n=64; PLE fp32(sqrt(8)) is 1.7e-8 relative off)",
+            "moe_experts_implementation": "float64: eager (grouped_mm has no float64 kernel); fp32 goldens: grouped_mm",
+            "assistant_recurrence": "each step feeds the fp32 run's draft id ({assistant}_ids); "
+                                    "diagnostics.{assistant}_f64_argmax_mismatches counts float64 argmax != it",
+            "checked": "patched code reproduces the fp32 goldens bit-exactly in fp32; no aten op of the float64 "
+                       "forwards touches a non-float64 floating tensor",
+        },
         "eos": "generation_config.eos_token_id=None for all generate() goldens; outputs are exactly L+24 long",
         "prompt_shape": list(PROMPT_SHAPE),
         "greedy_prompt_lens": list(GREEDY_LENS),

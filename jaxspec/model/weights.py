@@ -259,8 +259,7 @@ def _init_leaf(name, shape, key, dtype, *, stack: int | None = None, vocab: int 
         return 1.0 + 0.1 * jax.random.normal(key, full, jnp.float32)
     if name == "layer_scalar":
         return 0.5 + jax.random.uniform(key, full, jnp.float32)
-    fan_in = shape[-1]
-    scale = 1.0 if name in ("embed", "ple_embed") else fan_in**-0.5
+    scale = 0.02 if name in ("embed", "ple_embed") else shape[-1] ** -0.5  # HF's initializer_range for embeddings
     return (scale * jax.random.normal(key, full, jnp.float32)).astype(dtype)
 
 

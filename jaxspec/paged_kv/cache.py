@@ -80,7 +80,7 @@ class PagedKVCache:
     def swa_of_full(self):
         """Device copy of the pool's full→SWA table, re-uploaded only when the pool changed it."""
         if self._swa_version != self.pool.version:
-            self._swa_device = jnp.asarray(self.pool.swa_of_full)
+            self._swa_device = jax.device_put(self.pool.swa_of_full)  # a transfer, never a trace
             self._swa_version = self.pool.version
         return self._swa_device
 

@@ -1,0 +1,242 @@
+"""`python -m jaxspec.generate`: speculative decoding with a Gemma 4 target and its assistant drafter.
+
+Without --model it runs the built-in demo pair: a small deterministic random-weight Gemma 4 target and assistant,
+built in memory at start (labelled as random weights in the output), so the command works on a fresh machine.
+Bad input prints one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+DEMO = "demo-random"
+DEMO_PROMPTS = [[2, 17, 300, 42, 9], [2, 500, 12, 7, 7, 81, 1000, 3, 64, 5, 811], [2, 99], [2, 123, 456, 789, 321]]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse's default prints the whole usage first)
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def parse_args(argv=None):
+    p = _Parser(prog="python -m jaxspec.generate", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=DEMO, help=f"target checkpoint folder (HF layout) or '{DEMO}' (default)")
+    p.add_argument("--assistant", default=None, help="assistant (drafter) checkpoint folder")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts", default=None, help=".txt (one prompt a line) or .jsonl ('prompt' or 'prompt_ids')")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-running-requests", type=int, default=16)
+    p.add_argument("--draft-mode", choices=("bucketed", "eager", "off"), default="bucketed")
+    p.add_argument("--draft-bs", default="1,2,4,8,16,32,64", help="batch-size buckets, e.g. 1,2,4,8")
+    p.add_argument("--dtype", default=None, help="bf16 or fp32 (default: bf16 on a GPU, fp32 on the CPU)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-pages", type=int, default=None, help="full-pool pages (default: enough for every request)")
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
+                   help="Pallas kernels (auto: on a GPU; on a CPU they run in interpret mode)")
+    p.add_argument("--profile-dir", default=None, help="write a jax profiler trace of the decode rounds here")
+    p.add_argument("--output", default=None, help="write one JSON line per request here")
+    p.add_argument("--quiet", action="store_true", help="no per-request text, no progress bar")
+    return p.parse_args(argv)
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    from jaxspec.config import ConfigError
+
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--draft-bs must be comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise ConfigError(f"--draft-bs must list positive batch sizes, got {text!r}")
+    return out
+
+
+def demo_pair(dtype):
+    """The built-in demo: a small Gemma 4 target (PLE, KV sharing, dual RoPE) and an assistant with a centroid head,
+    deterministic random weights."""
+    from jaxspec.config import FULL, SLIDING, PRESETS, assistant_preset
+    from jaxspec.model.weights import random_assistant_params, random_target_params
+
+    S, F = SLIDING, FULL
+    cfg = dataclasses.replace(
+        PRESETS["E2B"], vocab_size=2048, vocab_size_per_layer_input=2048, hidden_size=128, intermediate_size=256,
+        num_layers=6, num_heads=4, num_kv_heads=1, num_global_kv_heads=1, head_dim=32, global_head_dim=64,
+        layer_types=(S, S, F, S, S, F), sliding_window=32, hidden_size_per_layer_input=16, num_kv_shared_layers=2,
+        max_position_embeddings=1024)
+    acfg = assistant_preset(cfg, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+                            num_centroids=32, centroid_top_k=4)
+    return cfg, random_target_params(cfg, 0, dtype), acfg, random_assistant_params(acfg, 1, dtype)
+
+
+def read_prompts(args, tokenizer):
+    """[(prompt_ids, source text or None)] in input order."""
+    from jaxspec.config import ConfigError
+
+    items = [("text", t) for t in args.prompt]
+    if args.prompts:
+        path = args.prompts
+        if not os.path.isfile(path):
+            raise ConfigError(f"prompts file not found: {path}")
+        with open(path) as f:
+            lines = f.read().splitlines()
+        if path.endswith(".jsonl"):
+            for n, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{path}:{n}: not JSON ({e.msg})") from None
+                if isinstance(obj, dict) and isinstance(obj.get("prompt_ids"), list):
+                    if not all(isinstance(t, int) for t in obj["prompt_ids"]):
+                        raise ConfigError(f"{path}:{n}: prompt_ids must be a list of integers")
+                    items.append(("ids", obj["prompt_ids"]))
+                elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+                    items.append(("text", obj["prompt"]))
+                else:
+                    raise ConfigError(f"{path}:{n}: expected an object with 'prompt' (text) or 'prompt_ids' (list)")
+        else:
+            items += [("text", line) for line in lines if line.strip()]
+    out = []
+    for kind, value in items:
+        if kind == "ids":
+            out.append((list(value), None))
+        else:
+            if tokenizer is None:
+                raise ConfigError("this model has no tokenizer: give prompts as prompt_ids in a .jsonl file")
+            out.append((tokenizer(value)["input_ids"], value))
+    return out
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    if not any(os.path.isfile(os.path.join(path, n)) for n in names):
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+def run(args) -> int:
+    if args.profile_dir:  # keep the CUDA graphs in the trace, as production runs them
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_enable_command_buffers_during_profiling=true").strip()
+    import jax
+
+    from jaxspec.config import ConfigError
+    from jaxspec.engine import Engine, Request, SamplingParams, request_record
+    from jaxspec.model.weights import compute_dtype, load_assistant, load_target
+
+    dtype = compute_dtype(args.dtype or ("fp32" if jax.default_backend() == "cpu" else "bf16"))
+    buckets = _buckets(args.draft_bs)
+    if args.model == DEMO:
+        cfg, params, acfg, aparams = demo_pair(dtype)
+        tokenizer = None
+        label = f"{DEMO} (small Gemma 4 pair with RANDOM WEIGHTS: the text is meaningless, acceptance is low)"
+        if args.assistant:
+            acfg, aparams = load_assistant(args.assistant, dtype)
+    else:
+        cfg, params = load_target(args.model, dtype)
+        tokenizer = load_tokenizer(args.model)
+        acfg = aparams = None
+        if args.assistant:
+            acfg, aparams = load_assistant(args.assistant, dtype)
+        label = args.model
+    draft_mode = args.draft_mode
+    if acfg is None and draft_mode != "off":
+        print("note: no --assistant given, decoding without speculation (--draft-mode off)", file=sys.stderr)
+        draft_mode = "off"
+    prompts = read_prompts(args, tokenizer)
+    if not prompts:
+        if tokenizer is None:
+            prompts = [(list(p), None) for p in DEMO_PROMPTS]
+        else:
+            prompts = [(tokenizer(t)["input_ids"], t) for t in ("The capital of France is", "def fibonacci(n):")]
+    for name, value, lo in (("--max-new-tokens", args.max_new_tokens, 1), ("--page-size", args.page_size, 1),
+                            ("--prefill-chunk", args.prefill_chunk, 1), ("--top-k", args.top_k, 0)):
+        if value < lo:
+            raise ConfigError(f"{name} must be >= {lo}, got {value}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise ConfigError("--temperature must be >= 0 and --top-p in (0, 1]")
+    kernels = {"auto": None, "on": True, "off": False}[args.kernels]
+    engine = Engine(cfg, params, acfg=acfg, aparams=aparams, k=args.num_speculative_tokens, draft_mode=draft_mode,
+                    buckets=buckets, max_running=args.max_running_requests, page_size=args.page_size,
+                    num_pages=args.kv_pages, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
+                    use_kernels=kernels, tokenizer=tokenizer)
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    requests = [Request(prompt_ids=ids, params=dataclasses.replace(sp, seed=args.seed + i))
+                for i, (ids, _) in enumerate(prompts)]
+    for r in requests:
+        engine.validate(r)
+    print(f"model: {label}; draft: {draft_mode}" + (f" k={engine.k}" if engine.k else "") +
+          f"; {jax.default_backend()} {jax.numpy.dtype(dtype).name}", file=sys.stderr)
+    engine.warmup(sample=args.temperature > 0)
+    bar = None
+    if not args.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), desc="requests", file=sys.stderr)
+    engine.generate(requests, on_progress=bar.update if bar else None, profile_dir=args.profile_dir)
+    if bar:
+        bar.close()
+    records = [request_record(r, engine) for r in requests]
+    if not args.quiet:
+        for rec, (_, text) in zip(records, prompts):
+            shown = rec.get("text", rec["output_ids"])
+            print(f"[{rec['index']}] {text!r} -> {shown!r}" if text is not None else f"[{rec['index']}] -> {shown!r}")
+    if args.output:
+        with open(args.output, "w") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+    print_summary(engine.summary(requests), label)
+    return 0
+
+
+def print_summary(s: dict, label: str) -> None:
+    acc = " ".join(f"{x:.2f}" for x in s["acceptance_per_position"]) or "-"
+    split = s["round_split_s"]
+    rows = [
+        ("model", label),
+        ("requests", s["requests"]),
+        ("generated tokens", s["generated_tokens"]),
+        ("decode tokens/s", f"{s['decode_tokens_per_s']:.1f}"),
+        ("mean accept length", f"{s['mean_accept_length']:.2f}"),
+        ("acceptance per draft position", acc),
+        ("time to first token ms (mean / median)", f"{s['ttft_ms_mean']:.1f} / {s['ttft_ms_median']:.1f}"),
+        ("decode rounds", s["rounds"]),
+        ("round time s (draft / verify / host)", f"{split['draft']:.3f} / {split['verify']:.3f} / {split['host']:.3f}"),
+        ("preemptions", s["preemptions"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+def main(argv=None) -> int:
+    from jaxspec.config import ConfigError
+
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

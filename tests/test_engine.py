@@ -1,0 +1,240 @@
+"""The engine: lossless speculative decoding, equality with transformers' greedy generation, sampling by chi-square."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from conftest import golden_path, load_reference
+from jaxspec import engine as engine_mod
+from jaxspec import sampling
+from jaxspec.config import FULL, SLIDING, PRESETS, assistant_preset
+from jaxspec.engine import Engine, Request, SamplingParams
+from jaxspec.model.weights import load_assistant, load_target, random_assistant_params, random_target_params
+
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+def pair(case="e2b", head="assistant"):
+    cfg, params = load_target(golden_path(case, "target"), "fp32")
+    acfg, aparams = load_assistant(golden_path(case, head), "fp32")
+    return cfg, params, acfg, aparams
+
+
+def run(engine, prompts, sp=GREEDY):
+    reqs = [Request(prompt_ids=list(p), params=sp) for p in prompts]
+    engine.generate(reqs)
+    return [r.output_ids for r in reqs], reqs
+
+
+# ---- against transformers' own greedy generation ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case,head,mode", [("e2b", "assistant", "bucketed"), ("moe", "assistant", "eager"),
+                                            ("dense31", "assistant", "bucketed"), ("gemma3", None, "off"),
+                                            ("mm", None, "off")])
+def test_greedy_equals_transformers_generate(case, head, mode):
+    cfg, params = load_target(golden_path(case, "target"), "fp32")
+    acfg = aparams = None
+    if head:
+        acfg, aparams = load_assistant(golden_path(case, head), "fp32")
+    ref = load_reference(case)
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, draft_mode=mode, buckets=(4,), max_running=4,
+                 page_size=4, max_context=64, prefill_chunk=8)
+    prompts = [ref[f"greedy_prompt_{i}"][0].tolist() for i in range(4)]
+    outs, _ = run(eng, prompts)
+    for i, out in enumerate(outs):
+        want = ref[f"greedy_out_{i}"][0, len(prompts[i]):].tolist()
+        assert out == want, f"{case} prompt {i}"
+
+
+# ---- lossless: speculative greedy == plain greedy -------------------------------------------------------------------
+
+
+def mixed_prompts(cfg, n, seed):
+    rng = np.random.default_rng(seed)
+    W = cfg.sliding_window
+    lengths = rng.choice([1, 2, W - 1, W, W + 1, 2 * W + 1, 3 * W + 5, 40], size=n)
+    return [rng.integers(3, cfg.vocab_size, int(L)).tolist() for L in lengths]
+
+
+@pytest.fixture(scope="module")
+def plain_reference():
+    """Plain greedy decoding of the target alone (draft off) for all prompts of the lossless sweep."""
+    cfg, params, _, _ = pair()
+    prompts = mixed_prompts(cfg, 250, seed=0)
+    eng = Engine(cfg, params, draft_mode="off", buckets=(1, 4, 16), max_running=16, page_size=4, max_context=96,
+                 prefill_chunk=8)
+    outs, _ = run(eng, prompts, dataclasses.replace(GREEDY, max_new_tokens=20))
+    return prompts, outs
+
+
+LOSSLESS = [
+    # k, draft mode, head, max running, full pages (None: no pressure), buckets, Pallas kernels (interpret on CPU)
+    (1, "bucketed", "assistant", 16, None, (1, 2, 4, 8, 16), False),
+    (2, "eager", "assistant_plain", 4, None, (1, 4), False),
+    (3, "bucketed", "assistant_plain", 8, 40, (1, 4, 8), False),
+    (5, "eager", "assistant", 3, 40, (1, 4), False),
+    (3, "bucketed", "assistant", 16, 60, (16,), True),
+]
+
+
+@pytest.mark.parametrize("k,mode,head,running,pages,buckets,kernels", LOSSLESS)
+def test_speculative_greedy_is_lossless(plain_reference, k, mode, head, running, pages, buckets, kernels):
+    """Token for token equal to plain greedy: 50 prompts per configuration (250 over the sweep, many longer than
+    the window), continuous batching, k in {1,2,3,5}, both draft modes, both heads, and pools small enough that
+    requests wait and are preempted."""
+    prompts, want = plain_reference
+    i = LOSSLESS.index((k, mode, head, running, pages, buckets, kernels))
+    lo, hi = 50 * i, 50 * (i + 1)
+    cfg, params, acfg, aparams = pair(head=head)
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=k, draft_mode=mode, buckets=buckets,
+                 max_running=running, page_size=4, num_pages=pages, max_context=96, prefill_chunk=8,
+                 use_kernels=kernels)
+    outs, reqs = run(eng, prompts[lo:hi], dataclasses.replace(GREEDY, max_new_tokens=20))
+    for j, (got, exp) in enumerate(zip(outs, want[lo:hi])):
+        assert got == exp, f"prompt {lo + j}"
+    s = eng.summary(reqs)
+    if pages:
+        assert s["preemptions"] > 0, "the pool was meant to be too small for all requests at once"
+    assert s["mean_accept_length"] > 1.0  # the drafter does get drafts accepted on this pair
+    assert eng.cache.pool.num_free_full == eng.cache.spec.num_full_pages - 1  # every page back
+
+
+def test_stops_at_eos_and_max_new_tokens():
+    cfg, params, acfg, aparams = pair()
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
+                 max_context=64, prefill_chunk=8)
+    prompts = mixed_prompts(cfg, 4, seed=3)
+    outs, _ = run(eng, prompts)
+    eos = outs[0][5]  # a token the first request produces: make it the EOS
+    eng2 = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
+                  max_context=64, prefill_chunk=8, eos_token_ids=[eos])
+    outs2, reqs = run(eng2, prompts, dataclasses.replace(GREEDY, ignore_eos=False, max_new_tokens=10))
+    for full, cut, r in zip(outs, outs2, reqs):
+        stop = full.index(eos) + 1 if eos in full[:10] else 10
+        assert cut == full[:stop]
+        assert r.finish_reason == ("stop" if eos in full[:10] else "length")
+
+
+def test_context_limit_finishes_the_request():
+    cfg, params, acfg, aparams = pair()
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(1,), max_running=1, page_size=4,
+                 max_context=32, prefill_chunk=8)
+    outs, reqs = run(eng, [list(range(3, 23))], dataclasses.replace(GREEDY, max_new_tokens=100))
+    assert reqs[0].finish_reason == "length"
+    assert len(reqs[0].tokens) + 4 > 32 and len(reqs[0].tokens) <= 32
+
+
+def test_no_tracing_after_warmup_is_enforced(monkeypatch):
+    """generate() runs under jax.no_tracing: a step that would compile on the serving path raises."""
+    cfg, params, acfg, aparams = pair()
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=2, buckets=(2,), max_running=2, page_size=4,
+                 max_context=64, prefill_chunk=8)
+    outs, _ = run(eng, mixed_prompts(cfg, 6, seed=4))  # a long run: would raise on any trace
+    assert len(outs) == 6
+    eng._verify = {key: jax.jit(eng._verify_program(key[1]), donate_argnums=(1, 8)) for key in eng._verify}
+    with pytest.raises(RuntimeError, match="no_tracing"):
+        run(eng, mixed_prompts(cfg, 2, seed=5))
+
+
+# ---- sampling: the speculative distribution equals the target's -------------------------------------------------------
+
+
+def tiny_vocab_pair(V=6):
+    base = dataclasses.replace(
+        PRESETS["E4B"], vocab_size=V, vocab_size_per_layer_input=V, hidden_size=32, intermediate_size=64,
+        num_layers=3, num_heads=2, num_kv_heads=1, num_global_kv_heads=1, head_dim=16, global_head_dim=16,
+        layer_types=(SLIDING, FULL, FULL), sliding_window=4, hidden_size_per_layer_input=0, num_kv_shared_layers=1)
+    params = random_target_params(base, 3, jnp.float32)
+    params["embed"] = params["embed"] * 15.0  # logits of std ~2: far from uniform, yet every token is plausible
+    acfg = assistant_preset(base, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, ordered=False)
+    return base, params, acfg, random_assistant_params(acfg, 4, jnp.float32)
+
+
+def exact_triples(cfg, params, prompt, sp, V):
+    """P(t1, t2, t3) of sampling the target alone, from its filtered next-token distributions."""
+    eng = Engine(cfg, params, draft_mode="off", buckets=(V,), max_running=V, page_size=4, max_context=32,
+                 prefill_chunk=8)
+    from jaxspec.model import gemma4
+
+    def dist(prefixes):
+        out = []
+        for p in prefixes:
+            cache = gemma4.init_dense_cache(cfg, 1, len(p), jnp.float32)
+            lg, _, _ = gemma4.dense_forward(params, cfg, jnp.asarray([p], jnp.int32), 0, cache)
+            probs = sampling.filtered_probs(lg[:, -1], jnp.full((1,), sp.temperature), jnp.full((1,), sp.top_k),
+                                            jnp.full((1,), sp.top_p))
+            out.append(np.asarray(probs[0], np.float64))
+        return out
+    del eng
+    p1 = dist([prompt])[0]
+    p2 = dist([prompt + [a] for a in range(V)])
+    p3 = dist([prompt + [a, b] for a in range(V) for b in range(V)])
+    joint = np.zeros((V, V, V))
+    for a in range(V):
+        for b in range(V):
+            joint[a, b] = p1[a] * p2[a][b] * p3[a * V + b]
+    return joint
+
+
+def sample_triples(cfg, params, acfg, aparams, prompt, sp, n, mode):
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=2, draft_mode=mode, buckets=(64,), max_running=64,
+                 page_size=4, max_context=32, prefill_chunk=8)
+    reqs = [Request(prompt_ids=list(prompt), params=dataclasses.replace(sp, seed=1000 + i)) for i in range(n)]
+    eng.generate(reqs)
+    return np.array([r.output_ids[:3] for r in reqs]), eng.summary(reqs)
+
+
+def chi_square_p(triples, joint, V):
+    counts = np.zeros(V**3)
+    np.add.at(counts, triples[:, 0] * V * V + triples[:, 1] * V + triples[:, 2], 1)
+    expected = joint.reshape(-1) * len(triples)
+    keep = expected >= 5  # pool rare cells so the chi-square approximation holds
+    obs, exp = counts[keep], expected[keep]
+    if expected[~keep].sum() > 0:
+        obs, exp = np.append(obs, counts[~keep].sum()), np.append(exp, expected[~keep].sum())
+    assert counts[expected == 0].sum() == 0, "a sample the target gives probability 0"
+    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+SAMPLING = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=5, top_p=0.95, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def sampling_setup():
+    cfg, params, acfg, aparams = tiny_vocab_pair()
+    prompt = [1, 4, 2, 3, 0, 5, 2]
+    return cfg, params, acfg, aparams, prompt, exact_triples(cfg, params, prompt, SAMPLING, cfg.vocab_size)
+
+
+def test_speculative_sampling_matches_the_target_distribution(sampling_setup):
+    """4000 sampled continuations with k=2 speculation: the joint law of the first three tokens equals the target's
+    exact one (chi-square p > 0.001; fixed seeds). Drafts get accepted and rejected, so the residual is exercised."""
+    cfg, params, acfg, aparams, prompt, joint = sampling_setup
+    triples, s = sample_triples(cfg, params, acfg, aparams, prompt, SAMPLING, 4000, "bucketed")
+    p = chi_square_p(triples, joint, cfg.vocab_size)
+    print(f"chi-square p = {p:.3f}, mean accept length {s['mean_accept_length']:.2f}")
+    assert 1.05 < s["mean_accept_length"] < 2.9  # both acceptances and rejections happen
+    assert p > 1e-3
+
+
+def test_chi_square_catches_a_wrong_residual(sampling_setup, monkeypatch):
+    """The same test fails for a rejection sampler whose residual keeps the rejected draft."""
+    cfg, params, acfg, aparams, prompt, joint = sampling_setup
+    real = sampling.accept
+
+    def wrong(logits, drafts, temperature, top_k, top_p, keys):
+        n, committed = real(logits, drafts, temperature, top_k, top_p, keys)
+        # resample the bonus from p_n itself (the rejected draft not removed)
+        probs = sampling.filtered_probs(logits, temperature, top_k, top_p)
+        p_n = jnp.take_along_axis(probs, n[:, None, None], axis=1)[:, 0]
+        bad = jax.vmap(lambda kk, p: jax.random.categorical(kk, jnp.log(p)))(keys, p_n).astype(jnp.int32)
+        return n, committed.at[jnp.arange(n.shape[0]), n].set(bad)
+
+    monkeypatch.setattr(engine_mod.sampling, "accept", wrong)
+    triples, _ = sample_triples(cfg, params, acfg, aparams, prompt, SAMPLING, 4000, "bucketed")
+    assert chi_square_p(triples, joint, cfg.vocab_size) < 1e-3

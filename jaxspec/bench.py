@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from jaxspec.config import FULL, LAYER_TYPES, PRESETS, SLIDING, AssistantConfig, ConfigError, TargetConfig, assistant_preset
+from jaxspec.config import (FULL, LAYER_TYPES, PRESETS, SLIDING, AssistantConfig, ConfigError, TargetConfig,
+                            assistant_preset)
 from jaxspec.draft.bucketed import BucketedDrafter, _abstract, _draft_program
 from jaxspec.draft.eager import EagerDrafter
 from jaxspec.model import gemma4
@@ -80,6 +81,13 @@ def median_us(call, iters: int, num_sets: int = NUM_SETS) -> float:
         jax.block_until_ready(call(n % num_sets))
         times.append(time.perf_counter() - t0)
     return float(np.median(times)) * 1e6
+
+
+@jax.jit
+def dispatch_floor(*args):
+    """The cheapest call on a figure's own arguments: the dispatch + sync cost that every figure of its row includes
+    (on a virtualised host tens of µs, more than a small kernel runs)."""
+    return min(args, key=lambda a: a.size) + 1
 
 
 def ratio(a, b):
@@ -213,68 +221,77 @@ def kernels_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--part", choices=("gather", "attention", "all"), default="all")
     p.add_argument("--bs", type=sizes, help="batch sizes (default: gather 1,64; attention 1,16,64)")
     p.add_argument("--table", type=sizes, default=[4096, 131072], help="gather: page-table row length in positions")
-    p.add_argument("--window", type=int, default=512, help="gather: sliding window W (W + 1 live entries)")
+    p.add_argument("--window", type=positive, default=512, help="gather: sliding window W (W + 1 live entries)")
     p.add_argument("--ctx", type=sizes, default=[4096, 32768], help="attention: cached keys per row")
     p.add_argument("--head-dim", type=sizes, default=[256, 512], help="attention: head_dim (8 q heads, 2 kv heads)")
     p.add_argument("--tq", type=sizes, default=[1, 4], help="attention: queries per row (1 decode/draft, k+1 verify)")
 
 
+def gather_rows(args, rng) -> list[dict]:
+    P, width = args.page_size, round_width(args.window + 1)
+    rows = []
+    for bs in args.bs or [1, 64]:
+        for table in args.table:
+            sets = gather_sets(rng, bs, table, args.window, P)
+            row = {"bs": bs, "table": table, "window": args.window, "live": args.window + 1, "width": width,
+                   "floor_us": median_us(lambda i: dispatch_floor(*sets[i]), args.iters)}
+            for name, fn in (("kernel_us", gather_kv_indices), ("whole_row_us", whole_row_kv_indices)):
+                row[name] = median_us(lambda i, fn=fn: fn(*sets[i], width=width, page_size=P), args.iters)
+            row["whole/kernel"] = row["whole_row_us"] / row["kernel_us"]
+            rows.append(row)
+            print(f"gather bs {bs} table {table}: {row['kernel_us']:.1f} vs {row['whole_row_us']:.1f} µs")
+    print_table(f"gather_kv_indices: live window of W+1 = {args.window + 1} positions (page {P}) vs whole-row "
+                "translation", [("bs", "bs", "{}"), ("table", "table", "{}"), ("floor_us", "floor_us", "{:.1f}"),
+                                ("kernel_us", "kernel_us", "{:.1f}"), ("whole_row_us", "whole_row_us", "{:.1f}"),
+                                ("whole/kernel", "whole/kernel", "{:.2f}")], rows)
+    return rows
+
+
+def attention_rows(args, rng) -> list[dict]:
+    if any(d & (d - 1) or d < 16 for d in args.head_dim):
+        raise ConfigError(f"paged_attention needs power-of-two head dims >= 16, got {args.head_dim}")
+    key = jax.random.PRNGKey(args.seed)
+    ref = jax.jit(paged_attention_ref)
+    rows = []
+    for d in args.head_dim:
+        for bs in args.bs or [1, 16, 64]:
+            for ctx in args.ctx:
+                k_cache, v_cache, indices = attention_sets(rng, jax.random.fold_in(key, d * 1000 + bs), bs, ctx, d,
+                                                           args.page_size)
+                kv_bytes = bs * ctx * ATTN_KV_HEADS * d * 2 * jnp.dtype(DTYPE).itemsize
+                kv_start = jnp.zeros(bs, jnp.int32)
+                for tq in args.tq:
+                    qs = [jax.random.normal(jax.random.fold_in(key, j), (bs, tq, ATTN_HEADS, d), DTYPE)
+                          for j in range(NUM_SETS)]
+                    q_lo = jnp.zeros((bs, tq), jnp.int32)
+                    q_hi = jnp.broadcast_to(ctx - tq + jnp.arange(tq, dtype=jnp.int32), (bs, tq))
+                    row = {"head_dim": d, "bs": bs, "ctx": ctx, "tq": tq, "kv_bytes": kv_bytes,
+                           "bound_us": kv_bytes / args.hbm_bw * 1e6}
+                    for name, fn in (("floor_us", dispatch_floor), ("kernel_us", paged_attention), ("ref_us", ref)):
+                        row[name] = median_us(lambda i, fn=fn: fn(qs[i], k_cache, v_cache, indices[i], kv_start,
+                                                                  q_lo, q_hi), args.iters)
+                    row["ref/kernel"] = row["ref_us"] / row["kernel_us"]
+                    row["kernel/bound"] = row["kernel_us"] / row["bound_us"]
+                    row["ref/bound"] = row["ref_us"] / row["bound_us"]
+                    rows.append(row)
+                    print(f"attention d {d} bs {bs} ctx {ctx} tq {tq}: {row['kernel_us']:.1f} vs "
+                          f"{row['ref_us']:.1f} µs")
+                del k_cache, v_cache, indices
+    print_table(f"paged_attention ({ATTN_HEADS} q / {ATTN_KV_HEADS} kv heads, all cached keys, bf16) vs XLA gather + "
+                f"attention; HBM bound = K/V bytes / {args.hbm_bw:.3g} B/s", [
+                    ("head_dim", "d", "{}"), ("bs", "bs", "{}"), ("ctx", "ctx", "{}"), ("tq", "tq", "{}"),
+                    ("floor_us", "floor_us", "{:.1f}"), ("kernel_us", "kernel_us", "{:.1f}"),
+                    ("ref_us", "ref_us", "{:.1f}"), ("ref/kernel", "ref/kernel", "{:.2f}"),
+                    ("bound_us", "bound_us", "{:.1f}"), ("kernel/bound", "kernel/bound", "{:.2f}"),
+                    ("ref/bound", "ref/bound", "{:.2f}")], rows)
+    return rows
+
+
 def run_kernels(args) -> dict:
     """gather_kv_indices vs whole-row translation; paged_attention vs paged_attention_ref (XLA gather + attention)."""
     rng = np.random.default_rng(args.seed)
-    key = jax.random.PRNGKey(args.seed)
-    P = args.page_size
-    out = {"gather": [], "attention": []}
-    if args.part in ("gather", "all"):
-        width = round_width(args.window + 1)
-        for bs in args.bs or [1, 64]:
-            for table in args.table:
-                sets = gather_sets(rng, bs, table, args.window, P)
-                row = {"bs": bs, "table": table, "window": args.window, "live": args.window + 1, "width": width}
-                for name, fn in (("kernel_us", gather_kv_indices), ("whole_row_us", whole_row_kv_indices)):
-                    row[name] = median_us(lambda i, fn=fn: fn(*sets[i], width=width, page_size=P), args.iters)
-                row["whole/kernel"] = row["whole_row_us"] / row["kernel_us"]
-                out["gather"].append(row)
-                print(f"gather bs {bs} table {table}: {row['kernel_us']:.1f} vs {row['whole_row_us']:.1f} µs")
-        print_table(f"gather_kv_indices: live window of W+1 = {args.window + 1} positions (page {P}), "
-                    "vs whole-row translation", [
-                        ("bs", "bs", "{}"), ("table", "table", "{}"), ("kernel_us", "kernel_us", "{:.1f}"),
-                        ("whole_row_us", "whole_row_us", "{:.1f}"), ("whole/kernel", "whole/kernel", "{:.2f}")],
-                    out["gather"])
-    if args.part in ("attention", "all"):
-        ref = jax.jit(paged_attention_ref)
-        for d in args.head_dim:
-            for bs in args.bs or [1, 16, 64]:
-                for ctx in args.ctx:
-                    k_cache, v_cache, indices = attention_sets(rng, jax.random.fold_in(key, d * 1000 + bs), bs, ctx,
-                                                               d, P)
-                    kv_bytes = bs * ctx * ATTN_KV_HEADS * d * 2 * jnp.dtype(DTYPE).itemsize
-                    for tq in args.tq:
-                        qs = [jax.random.normal(jax.random.fold_in(key, j), (bs, tq, ATTN_HEADS, d), DTYPE)
-                              for j in range(NUM_SETS)]
-                        kv_start = jnp.zeros(bs, jnp.int32)
-                        q_lo = jnp.zeros((bs, tq), jnp.int32)
-                        q_hi = jnp.broadcast_to(ctx - tq + jnp.arange(tq, dtype=jnp.int32), (bs, tq))
-                        row = {"head_dim": d, "bs": bs, "ctx": ctx, "tq": tq, "kv_bytes": kv_bytes,
-                               "bound_us": kv_bytes / args.hbm_bw * 1e6}
-                        for name, fn in (("kernel_us", paged_attention), ("ref_us", ref)):
-                            row[name] = median_us(lambda i, fn=fn: fn(qs[i], k_cache, v_cache, indices[i], kv_start,
-                                                                      q_lo, q_hi), args.iters)
-                        row["ref/kernel"] = row["ref_us"] / row["kernel_us"]
-                        row["kernel/bound"] = row["kernel_us"] / row["bound_us"]
-                        row["ref/bound"] = row["ref_us"] / row["bound_us"]
-                        out["attention"].append(row)
-                        print(f"attention d {d} bs {bs} ctx {ctx} tq {tq}: {row['kernel_us']:.1f} vs "
-                              f"{row['ref_us']:.1f} µs")
-                    del k_cache, v_cache, indices
-        print_table(f"paged_attention ({ATTN_HEADS} q / {ATTN_KV_HEADS} kv heads, all cached keys, bf16) vs XLA "
-                    f"gather + attention; HBM bound = K/V bytes / {args.hbm_bw:.3g} B/s", [
-                        ("head_dim", "d", "{}"), ("bs", "bs", "{}"), ("ctx", "ctx", "{}"), ("tq", "tq", "{}"),
-                        ("kernel_us", "kernel_us", "{:.1f}"), ("ref_us", "ref_us", "{:.1f}"),
-                        ("ref/kernel", "ref/kernel", "{:.2f}"), ("bound_us", "bound_us", "{:.1f}"),
-                        ("kernel/bound", "kernel/bound", "{:.2f}"), ("ref/bound", "ref/bound", "{:.2f}")],
-                    out["attention"])
-    return out
+    return {"gather": gather_rows(args, rng) if args.part in ("gather", "all") else [],
+            "attention": attention_rows(args, rng) if args.part in ("attention", "all") else []}
 
 
 # ---- propose ------------------------------------------------------------------------------------------------------
@@ -303,10 +320,54 @@ class NoCommandBufferDrafter(BucketedDrafter):
 def propose_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=PRESET_NAMES, default="E4B", help="target preset; the drafter is "
                    "assistant_preset(target): hidden 256, [S,S,S,F], 2048 centroids top-32")
-    p.add_argument("-k", type=int, default=3, help="draft steps per call")
-    p.add_argument("--bs", type=sizes, default=[1, 4, 16, 64])
+    p.add_argument("-k", type=positive, default=3, help="draft steps per call")
+    p.add_argument("--bs", type=sizes, default=[1, 4, 16, 64], help="batch sizes, each a compiled bucket")
     p.add_argument("--ctx", type=sizes, default=[4096, 32768], help="cached_len of every request")
-    p.add_argument("--chunk", type=int, default=256, help="prefill chunk: the pool's max_step_tokens")
+    p.add_argument("--chunk", type=positive, default=256, help="prefill chunk: the pool's max_step_tokens")
+    p.add_argument("--eager-iters", type=positive, help="timed calls of the eager drafter, ~0.3 s each on the H200 "
+                   "(default: --iters, at most 50)")
+
+
+def propose_sets(rng, cache: PagedKVCache, rids, bs: int, ctx: int, seed_table, vocab: int) -> list[tuple]:
+    """Propose inputs (page_table, cached_len, pending, seed_table, seed_rows) as host numpy, the seed table on the
+    device. A small batch reads another group of requests in each set, so its K/V is not served from L2."""
+    groups = max(1, min(NUM_SETS, len(rids) // bs))
+    return [(cache.pool.page_table(rids[(j % groups) * bs:(j % groups + 1) * bs]), np.full(bs, ctx, np.int32),
+             rng.integers(0, vocab, bs).astype(np.int32), seed_table,
+             rng.permutation(seed_table.shape[0])[:bs].astype(np.int32)) for j in range(NUM_SETS)]
+
+
+def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng) -> list[dict]:
+    """One paged cache of `num_requests` requests at cached_len = ctx; a row per batch size."""
+    cfg, acfg, aparams, target_embed = model
+    cache, rids = paged_cache(cfg, num_requests, ctx, max_context=ctx, page_size=args.page_size,
+                              max_step_tokens=max(args.chunk, args.k + 1), seed=args.seed + ctx)
+    note = memory_note(cache.arrays)
+    print(f"ctx {ctx}: {num_requests} requests; {note}")
+    kw = dict(buckets=args.bs, seed_slots=num_requests + 1)
+    drafters = {"bucketed": BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw)}
+    if jax.default_backend() == "gpu":
+        drafters["no_cmd_buffer"] = NoCommandBufferDrafter(aparams, acfg, target_embed, cfg, args.k, **kw)
+    drafters["eager"] = EagerDrafter(aparams, acfg, target_embed, cfg, args.k)
+    for drafter in drafters.values():
+        drafter.attach(cache)
+    seed_table = jax.random.normal(jax.random.PRNGKey(args.seed + 2), (num_requests + 1, cfg.hidden_size), DTYPE)
+    rows = []
+    for bs in args.bs:
+        sets = propose_sets(rng, cache, rids, bs, ctx, seed_table, cfg.vocab_size)
+        calls = {name: (lambda i, d=d: d.propose(*sets[i])) if name == "eager"
+                 else (lambda i, d=d, bs=bs: d.propose_bucket(bs, *sets[i]))
+                 for name, d in drafters.items()}
+        row = {"ctx": ctx, "bs": bs, "k": args.k, "no_cmd_buffer_us": None, "memory": note}
+        for name, call in calls.items():
+            row[f"{name}_us"] = median_us(call, eager_iters if name == "eager" else args.iters)
+        same = np.asarray(calls["bucketed"](0)[0]) == calls["eager"](0)[0]
+        row["same_drafts"] = float(np.mean(np.all(same, axis=1)))
+        row["eager/bucketed"] = row["eager_us"] / row["bucketed_us"]
+        row["no_cmd/bucketed"] = ratio(row["no_cmd_buffer_us"], row["bucketed_us"])
+        rows.append(row)
+        print(f"propose ctx {ctx} bs {bs}: bucketed {row['bucketed_us']:.1f} µs, eager {row['eager_us']:.1f} µs")
+    return rows
 
 
 def run_propose(args) -> dict:
@@ -316,40 +377,11 @@ def run_propose(args) -> dict:
     aparams = random_assistant_params(acfg, args.seed, dtype=DTYPE)
     target_embed = jax.random.normal(jax.random.PRNGKey(args.seed + 1), (cfg.vocab_size, cfg.hidden_size), DTYPE)
     num_requests = request_groups(args.bs)
-    on_gpu = jax.default_backend() == "gpu"
+    eager_iters = args.eager_iters or min(args.iters, 50)
     rng = np.random.default_rng(args.seed)
-    rows, memory = [], {}
+    rows = []
     for ctx in args.ctx:
-        cache, rids = paged_cache(cfg, num_requests, ctx, max_context=ctx, page_size=args.page_size,
-                                  max_step_tokens=max(args.chunk, args.k + 1), seed=args.seed + ctx)
-        memory[ctx] = memory_note(cache.arrays)
-        print(f"ctx {ctx}: {num_requests} requests; {memory[ctx]}")
-        drafter_kw = dict(buckets=args.bs, seed_slots=num_requests + 1)
-        drafters = {"bucketed": BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **drafter_kw)}
-        if on_gpu:
-            drafters["no_cmd_buffer"] = NoCommandBufferDrafter(aparams, acfg, target_embed, cfg, args.k, **drafter_kw)
-        drafters["eager"] = EagerDrafter(aparams, acfg, target_embed, cfg, args.k)
-        for d in drafters.values():
-            d.attach(cache)
-        seed_table = jax.random.normal(jax.random.PRNGKey(args.seed + 2), (num_requests + 1, cfg.hidden_size), DTYPE)
-        for bs in args.bs:
-            groups = max(1, min(NUM_SETS, num_requests // bs))
-            sets = [(cache.pool.page_table(rids[(j % groups) * bs:(j % groups + 1) * bs]), np.full(bs, ctx, np.int32),
-                     rng.integers(0, cfg.vocab_size, bs).astype(np.int32), seed_table,
-                     rng.permutation(num_requests + 1)[:bs].astype(np.int32)) for j in range(NUM_SETS)]
-            calls = {name: (lambda i, d=d: d.propose(*sets[i])) if name == "eager"
-                     else (lambda i, d=d, bs=bs: d.propose_bucket(bs, *sets[i]))
-                     for name, d in drafters.items()}
-            row = {"ctx": ctx, "bs": bs, "k": args.k, "no_cmd_buffer_us": None}
-            for name, call in calls.items():
-                row[f"{name}_us"] = median_us(call, args.iters)
-            same = np.asarray(calls["bucketed"](0)[0]) == calls["eager"](0)[0]
-            row["same_drafts"] = float(np.mean(np.all(same, axis=1)))
-            row["eager/bucketed"] = row["eager_us"] / row["bucketed_us"]
-            row["no_cmd/bucketed"] = ratio(row["no_cmd_buffer_us"], row["bucketed_us"])
-            rows.append(row)
-            print(f"propose ctx {ctx} bs {bs}: bucketed {row['bucketed_us']:.1f} µs, eager {row['eager_us']:.1f} µs")
-        del drafters, cache, sets, calls
+        rows += propose_rows(args, (cfg, acfg, aparams, target_embed), ctx, num_requests, eager_iters, rng)
         gc.collect()  # the cache and its drafters reference each other (rebuild callbacks): free the K/V now
     print_table(f"propose, k={args.k}: drafter of {args.preset} (hidden {acfg.hidden_size}, "
                 f"{acfg.text.num_layers} layers, {acfg.num_centroids} centroids top-{acfg.centroid_top_k}), "
@@ -358,7 +390,7 @@ def run_propose(args) -> dict:
                     ("no_cmd_buffer_us", "no_cmdbuf_us", "{:.1f}"), ("eager_us", "eager_us", "{:.1f}"),
                     ("eager/bucketed", "eager/bucketed", "{:.2f}"), ("no_cmd/bucketed", "no_cmd/bucketed", "{:.2f}"),
                     ("same_drafts", "same_drafts", "{:.2f}")], rows)
-    return {"preset": args.preset, "rows": rows, "memory": {str(c): m for c, m in memory.items()}}
+    return {"preset": args.preset, "eager_iters": eager_iters, "rows": rows}
 
 
 # ---- decode -------------------------------------------------------------------------------------------------------
@@ -397,7 +429,41 @@ def decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bs", type=sizes, default=[1, 16])
     p.add_argument("--ctx", type=sizes, default=[4096], help="positions in the cache after the step")
     p.add_argument("--cache", choices=("dense", "paged", "both"), default="both")
-    p.add_argument("--chunk", type=int, default=256, help="prefill chunk: the pool's max_step_tokens")
+    p.add_argument("--unstacked", action="store_true", help="also time the paged step with per-layer weight leaves "
+                   "(one array per layer instead of one stack per layer group)")
+    p.add_argument("--chunk", type=positive, default=256, help="prefill chunk: the pool's max_step_tokens")
+
+
+def dense_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, seed: int):
+    """A decode step at position ctx - 1 over a dense [bs, ctx] cache of random K/V (donated, threaded through the
+    calls). Returns (call(i) -> logits, jit argument leaves, memory note)."""
+    box = [gemma4.init_dense_cache(cfg, bs, ctx, DTYPE)]
+    randomize(box[0], seed)
+    start = jnp.int32(ctx - 1)
+
+    def call(i):
+        logits, _, box[0] = gemma4.dense_forward_jit(params, cfg, tokens[i], start, box[0])
+        return logits
+
+    return call, len(jax.tree.leaves((params, tokens[0], start, box[0]))), memory_note(box[0])
+
+
+def paged_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, args):
+    """The same step over a paged cache whose requests hold ctx - 1 positions, through the Pallas kernels."""
+    cache, rids = paged_cache(cfg, bs, ctx - 1, max_context=ctx, page_size=args.page_size,
+                              max_step_tokens=args.chunk, seed=args.seed)
+    for rid in rids:
+        cache.pool.prepare(rid, ctx - 1, ctx)
+    fixed = (jnp.asarray(cache.pool.page_table(rids)), cache.swa_of_full)
+    start, num_tokens = jnp.full(bs, ctx - 1, jnp.int32), jnp.ones(bs, jnp.int32)
+    box = [cache.arrays]
+
+    def call(i):
+        logits, box[0] = paged_decode_step(params, cfg, cache.spec, box[0], *fixed, tokens[i], start, num_tokens)
+        return logits
+
+    leaves = len(jax.tree.leaves((params, box[0], fixed, tokens[0], start, num_tokens)))
+    return call, leaves, memory_note(box[0])
 
 
 def run_decode(args) -> dict:
@@ -408,6 +474,10 @@ def run_decode(args) -> dict:
     print(f"{args.preset}: weights {gib(weights)} in {len(jax.tree.leaves(params))} leaves")
     rng = np.random.default_rng(args.seed)
     modes = ("dense", "paged") if args.cache == "both" else (args.cache,)
+    if args.unstacked:
+        modes += ("paged-unstacked",)
+        unstacked = dict(params, layers={g: {n: tuple(a[i] for i in range(a.shape[0])) for n, a in w.items()}
+                                         for g, w in params["layers"].items()})
     rows, needs = [], []
     for ctx in args.ctx:
         for bs in args.bs:
@@ -416,45 +486,27 @@ def run_decode(args) -> dict:
             tokens = [jnp.asarray(rng.integers(0, cfg.vocab_size, (bs, 1)), jnp.int32) for _ in range(NUM_SETS)]
             for mode in modes:
                 if mode == "dense":
-                    state = gemma4.init_dense_cache(cfg, bs, ctx, DTYPE)
-                    randomize(state, args.seed)
-                    fixed = (jnp.int32(ctx - 1),)
+                    call, leaves, note = dense_decode(params, cfg, bs, ctx, tokens, args.seed)
+                elif mode == "paged":
+                    call, leaves, note = paged_decode(params, cfg, bs, ctx, tokens, args)
                 else:
-                    cache, rids = paged_cache(cfg, bs, ctx - 1, max_context=ctx, page_size=args.page_size,
-                                              max_step_tokens=args.chunk, seed=args.seed)
-                    for rid in rids:
-                        cache.pool.prepare(rid, ctx - 1, ctx)
-                    state = cache.arrays
-                    fixed = (jnp.asarray(cache.pool.page_table(rids)), cache.swa_of_full,
-                             jnp.full(bs, ctx - 1, jnp.int32), jnp.ones(bs, jnp.int32))
-                note = memory_note(state)
-                leaves = len(jax.tree.leaves((params, state, tokens[0], fixed)))
-                box = [state]  # the cache is donated: each call gets the one the last returned
-
-                def call(i, mode=mode, box=box, fixed=fixed):
-                    if mode == "dense":
-                        logits, _, box[0] = gemma4.dense_forward_jit(params, cfg, tokens[i], fixed[0], box[0])
-                    else:
-                        logits, box[0] = paged_decode_step(params, cfg, cache.spec, box[0], fixed[0], fixed[1],
-                                                           tokens[i], *fixed[2:])
-                    return logits
-
+                    call, leaves, note = paged_decode(unstacked, cfg, bs, ctx, tokens, args)
                 step_us = median_us(call, args.iters)
                 bound_us = need["total"] / args.hbm_bw * 1e6
                 rows.append({"cache": mode, "bs": bs, "ctx": ctx, "step_ms": step_us / 1e3,
                              "tokens_per_s": bs / step_us * 1e6, "bound_ms": bound_us / 1e3,
-                             "step/bound": step_us / bound_us, "jit_leaves": leaves})
+                             "step/bound": step_us / bound_us, "jit_leaves": leaves, "memory": note})
                 print(f"decode {mode} bs {bs} ctx {ctx}: {step_us / 1e3:.3f} ms; {note}")
-                del state, box, call, fixed
+                del call
                 gc.collect()
-    print(f"\nbytes one step reads (each once), MiB; HBM bound at {args.hbm_bw:.3g} B/s")
     keys = [k for k in needs[0] if k not in ("bs", "ctx")]
-    print_table("", [("bs", "bs", "{}"), ("ctx", "ctx", "{}")] + [(k, k, "{:.1f}") for k in keys],
+    print_table(f"MiB one decode step reads, each once (the HBM bound is total / {args.hbm_bw:.3g} B/s)",
+                [("bs", "bs", "{}"), ("ctx", "ctx", "{}")] + [(k, k, "{:.1f}") for k in keys],
                 [{**n, **{k: n[k] / 2**20 for k in keys}} for n in needs])
     print_table(f"decode step (T=1) of {args.preset}, random bf16", [
         ("cache", "cache", "{}"), ("bs", "bs", "{}"), ("ctx", "ctx", "{}"), ("step_ms", "ms/step", "{:.3f}"),
-        ("tokens_per_s", "tok/s", "{:.0f}"), ("bound_ms", "bound_ms", "{:.3f}"), ("step/bound", "step/bound", "{:.2f}"),
-        ("jit_leaves", "jit_leaves", "{}")], rows)
+        ("tokens_per_s", "tok/s", "{:.0f}"), ("bound_ms", "bound_ms", "{:.3f}"),
+        ("step/bound", "step/bound", "{:.2f}"), ("jit_leaves", "jit_leaves", "{}")], rows)
     return {"preset": args.preset, "rows": rows, "bytes": needs, "weight_bytes": weights}
 
 
@@ -464,8 +516,8 @@ def run_decode(args) -> dict:
 def memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=PRESET_NAMES, default="E4B")
     p.add_argument("--ctx", type=sizes, default=[4096, 32768, 131072])
-    p.add_argument("-k", type=int, default=3, help="draft steps: a verify step writes k + 1 positions")
-    p.add_argument("--chunk", type=int, default=256, help="prefill chunk")
+    p.add_argument("-k", type=positive, default=3, help="draft steps: a verify step writes k + 1 positions")
+    p.add_argument("--chunk", type=positive, default=256, help="prefill chunk")
 
 
 def run_memory(args) -> dict:
@@ -504,12 +556,19 @@ SUBCOMMANDS = {
 }
 
 
+def positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return n
+
+
 def sizes(text: str) -> list[int]:
     """'1,16,64' or '4K,128K' (K = 1024) -> a list of positive ints."""
     try:
         out = [int(s[:-1]) * 1024 if s[-1] in "kK" else int(s) for s in text.split(",")]
     except (ValueError, IndexError):
-        raise argparse.ArgumentTypeError(f"expected comma-separated sizes such as 1,16,64 or 4K,32K, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected sizes such as 1,16,64 or 4K,32K, got {text!r}") from None
     if min(out) < 1:
         raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
     return out
@@ -517,10 +576,10 @@ def sizes(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--iters", type=int, default=100, help="timed calls per figure (median; >= 50 for results)")
+    common.add_argument("--iters", type=positive, default=100, help="timed calls per figure (>= 50 for results)")
     common.add_argument("--json", help="where to write the results (default bench/results/<subcommand>-<time>.json)")
     common.add_argument("--seed", type=int, default=0)
-    common.add_argument("--page-size", type=int, default=16)
+    common.add_argument("--page-size", type=positive, default=16)
     common.add_argument("--hbm-bw", type=float, default=HBM_BYTES_PER_S, help="HBM bytes/s of the bound")
     parser = argparse.ArgumentParser(prog="python -m jaxspec.bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="subcommand", required=True)
@@ -539,8 +598,9 @@ def main(argv=None) -> dict:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    record = {"subcommand": args.subcommand, "command": shlex.join(["python", "-m", "jaxspec.bench", *argv]),
-              **environment(), "iters": args.iters, "hbm_bytes_per_s": args.hbm_bw, **result}
+    command = shlex.join([os.path.basename(sys.executable), "-m", "jaxspec.bench", *argv])
+    record = {"subcommand": args.subcommand, "command": command, **environment(), "iters": args.iters,
+              "hbm_bytes_per_s": args.hbm_bw, **result}
     path = args.json or os.path.join(
         "bench", "results", f"{args.subcommand}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

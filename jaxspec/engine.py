@@ -149,8 +149,8 @@ class Engine:
     def _verify_program(self, sample: bool):
         cfg, spec, k, use_kernels = self.cfg, self.cache.spec, self.k, self.use_kernels
 
-        def program(params, arrays, swa_of_full, page_table, pending, drafts, start, active, seed_table, rows,
-                    temperature, top_k, top_p, seeds):
+        def verify_step(params, arrays, swa_of_full, page_table, pending, drafts, start, active, seed_table, rows,
+                        temperature, top_k, top_p, seeds):
             tokens = jnp.concatenate([pending[:, None], drafts], axis=1)  # [B, k+1]
             num = jnp.where(active, k + 1, 0)
             hidden, arrays = gemma4.paged_forward(params, cfg, spec, arrays, page_table, swa_of_full, tokens, start,
@@ -165,13 +165,13 @@ class Engine:
             seed_table = seed_table.at[jnp.where(active, rows, 0)].set(seed)
             return jnp.concatenate([committed, n[:, None]], axis=1), arrays, seed_table
 
-        return program
+        return verify_step
 
     def _prefill_program(self, sample: bool):
         cfg, spec, use_kernels = self.cfg, self.cache.spec, self.use_kernels
 
-        def program(params, arrays, swa_of_full, page_table, tokens, start, num, last, seed_table, rows,
-                    temperature, top_k, top_p, seeds):
+        def prefill_step(params, arrays, swa_of_full, page_table, tokens, start, num, last, seed_table, rows,
+                         temperature, top_k, top_p, seeds):
             hidden, arrays = gemma4.paged_forward(params, cfg, spec, arrays, page_table, swa_of_full, tokens, start,
                                                   num, use_kernels=use_kernels)
             h_last = jnp.take_along_axis(hidden, jnp.maximum(num - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, H]
@@ -184,7 +184,7 @@ class Engine:
             seed_table = seed_table.at[jnp.where(last, rows, 0)].set(h_last)
             return token, arrays, seed_table
 
-        return program
+        return prefill_step
 
     def _compile(self, kind: str, bucket: int, sample: bool):
         """AOT-compile one step for one batch bucket (never on the serving path: `warmup` calls this)."""

@@ -17,7 +17,7 @@ def run(tmp_path, *argv):
     for key in ("jax_version", "jaxlib_version", "backend", "device_kind", "date"):
         assert record[key], key
     assert record["subcommand"] == argv[0]
-    assert record["command"] == "python -m jaxspec.bench " + " ".join([*argv, "--iters", "2", "--json", str(path)])
+    assert record["command"].endswith(" -m jaxspec.bench " + " ".join([*argv, "--iters", "2", "--json", str(path)]))
     assert record["iters"] == 2
     return record
 
@@ -40,7 +40,7 @@ def test_propose(tmp_path):
     assert {"bucketed_us", "eager_us", "eager/bucketed", "no_cmd/bucketed"} <= set(p)
     assert p["no_cmd_buffer_us"] is None  # command buffers exist on GPUs only
     assert 0.0 <= p["same_drafts"] <= 1.0
-    assert set(r["memory"]) == {"40"}
+    assert p["memory"].startswith("K/V arrays")
 
 
 def test_decode(tmp_path):

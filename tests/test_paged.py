@@ -1,4 +1,9 @@
-"""The paged target (prefill chunks, decode, verify over the paged cache with an SWA pool) against the dense target."""
+"""The paged target (prefill chunks, decode, verify over the paged cache with an SWA pool) against the dense target.
+
+float64 on the XLA attention path: equal within 1e-9 (paging, SWA translation and masking are exact). fp32 on the
+Pallas kernels: token for token equal and within 1e-4 in logits (the fp32 noise floor of these random networks:
+chunked vs one-pass computation alone moves the MoE model's logits by ~2e-5).
+"""
 
 import functools
 
@@ -44,7 +49,8 @@ def run_rows(cache, params, rows, T, *, use_kernels=True, bucket=None):
 
 
 def dense_logits(cfg, params, ids):
-    cache = gemma4.init_dense_cache(cfg, 1, len(ids), jnp.float32)
+    dtype = params["embed"].dtype
+    cache = gemma4.init_dense_cache(cfg, 1, len(ids), dtype)
     logits, _, _ = gemma4.dense_forward_jit(params, cfg, jnp.asarray(ids, jnp.int32)[None], 0, cache)
     return np.asarray(logits[0])
 
@@ -54,9 +60,9 @@ def model(request):
     return load_target(golden_path(request.param, "target"), "fp32")
 
 
-def make_cache(cfg, num_full_pages=64, num_swa_pages=40, max_context=64, max_step=8):
+def make_cache(cfg, num_full_pages=64, num_swa_pages=40, max_context=64, max_step=8, dtype=jnp.float32):
     return PagedKVCache(cfg, page_size=PAGE, num_full_pages=num_full_pages, num_swa_pages=num_swa_pages,
-                        max_context=max_context, max_step_tokens=max_step, dtype=jnp.float32)
+                        max_context=max_context, max_step_tokens=max_step, dtype=dtype)
 
 
 def scenario(cache, params, cfg, seqs, *, use_kernels=True, poison=None):
@@ -113,7 +119,7 @@ def sequences(cfg, seed=0):
     return {f"r{i}": rng.integers(3, cfg.vocab_size, n).tolist() for i, n in enumerate(lengths)}
 
 
-def compare(cfg, params, seqs, got, tol=1e-5):
+def compare(cfg, params, seqs, got, tol=1e-4):
     for rid, ids in seqs.items():
         ref = dense_logits(cfg, params, ids)
         positions = sorted(got[rid])
@@ -123,18 +129,28 @@ def compare(cfg, params, seqs, got, tol=1e-5):
         assert (mine.argmax(-1) == ref.argmax(-1)).all()
 
 
-@pytest.mark.parametrize("use_kernels", [True, False], ids=["pallas", "xla"])
-def test_paged_equals_dense(model, use_kernels):
-    cfg, params = model
-    cache = make_cache(cfg)
+def check_paged_equals_dense(cfg, params, use_kernels, tol, dtype):
+    cache = make_cache(cfg, dtype=dtype)
     seqs = sequences(cfg)
     got = scenario(cache, params, cfg, seqs, use_kernels=use_kernels)
-    compare(cfg, params, seqs, got)
+    compare(cfg, params, seqs, got, tol)
     for rid in seqs:
         assert cache.pool.swa_pages_of(rid) <= cache.pool.swa_pages_bound
         cache.pool.free(rid)
     assert cache.pool.num_free_full == cache.spec.num_full_pages - 1
     assert cache.pool.num_free_swa == cache.spec.num_swa_pages - 1
+
+
+def test_paged_equals_dense_pallas_fp32(model):
+    cfg, params = model
+    check_paged_equals_dense(cfg, params, True, 1e-4, jnp.float32)
+
+
+@pytest.mark.parametrize("case", ["e2b", "moe", "gemma3"])
+def test_paged_equals_dense_float64(case):
+    with jax.enable_x64(True):
+        cfg, params = load_target(golden_path(case, "target"), jnp.float64)
+        check_paged_equals_dense(cfg, params, False, 1e-9, jnp.float64)
 
 
 @pytest.mark.parametrize("poison", [np.nan, 1e4])

@@ -26,13 +26,14 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 def _draft_program(cfg: TargetConfig, acfg: AssistantConfig, spec: CacheSpec, k: int, use_kernels: bool):
     types = acfg.text.layer_types
 
-    def program(aparams, target_embed, arrays, swa_of_full, page_table, cached_len, pending, seed_table, seed_rows):
+    def draft_bucket(aparams, target_embed, arrays, swa_of_full, page_table, cached_len, pending, seed_table,
+                     seed_rows):
         meta = draft_metadata(cfg, spec, page_table, swa_of_full, cached_len, acfg.text.sliding_window, types,
                               use_kernels=use_kernels)
         attend = draft_attend(cfg, types, meta, use_kernels=use_kernels)
         return propose(aparams, acfg, target_embed, pending, seed_table[seed_rows], cached_len, attend, arrays, k)
 
-    return program
+    return draft_bucket
 
 
 def _abstract(x):

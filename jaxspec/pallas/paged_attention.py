@@ -114,7 +114,7 @@ def _live_span(kv_start, q_lo, q_hi, width: int):
 )
 def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, scale: float = 1.0,
                     layer: int | None = None,
-                    block_k: int | None = None, block_q: int | None = None, num_splits: int = 8,
+                    block_k: int | None = None, block_q: int | None = None, num_splits: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None):
     """Attention of q over the keys listed in `kv_indices` (kernel of `paged_attention_ref`).
 
@@ -125,7 +125,8 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     Only entries i in [min_t q_lo - kv_start, max_t q_hi - kv_start] (clipped to the width) are read, and of those
     only the ones some query may see are dereferenced.
     block_k: keys per step (power of two >= 16); block_q: query rows per program (power of two >= 16; Tq * G rows
-    are split over ceil(Tq * G / block_q) programs, each re-reading the keys); num_splits: pieces of the live range.
+    are split over ceil(Tq * G / block_q) programs, each re-reading the keys); num_splits: pieces of the live range
+    (default: enough programs to fill the GPU at small batch, ~264 in all, at most 64 per row).
     interpret: None runs the interpreter on CPU backends and compiles with Triton elsewhere.
     Returns [B, Tq, NH, D] in q.dtype.
     """
@@ -151,6 +152,9 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     row_blocks = pl.cdiv(rows, block_q)
+    if num_splits is None:  # about two programs per SM of an H200 (132), at most 64 pieces per row; the CPU
+        # interpreter runs programs one after another, so there a couple of pieces is fastest
+        num_splits = 2 if interpret else max(1, min(64, _next_pow2(max(1, 264 // (B * KVH * row_blocks)))))
     padded_rows = row_blocks * block_q
 
     # Rows r = t * G + g; padding rows see no key (lo > hi) and come out as 0.

@@ -31,12 +31,12 @@ import numpy as np
 
 from jaxspec.config import (FULL, LAYER_TYPES, PRESETS, SLIDING, AssistantConfig, ConfigError, TargetConfig,
                             assistant_preset)
-from jaxspec.draft.bucketed import BucketedDrafter, _abstract, _draft_program
+from jaxspec.draft.bucketed import BucketedDrafter
 from jaxspec.draft.eager import EagerDrafter
 from jaxspec.model import gemma4
 from jaxspec.model.weights import random_assistant_params, random_target_params
 from jaxspec.paged_kv.cache import PagedKVCache, round_width
-from jaxspec.paged_kv.pool import _swa_pages_bound
+from jaxspec.paged_kv.pool import swa_pages_bound_for
 from jaxspec.pallas.kv_indices import gather_kv_indices
 from jaxspec.pallas.paged_attention import paged_attention
 from jaxspec.pallas.reference import paged_attention_ref
@@ -146,7 +146,7 @@ def paged_cache(cfg: TargetConfig, num_requests: int, cached: int, *, max_contex
                 max_step_tokens: int, seed: int) -> tuple[PagedKVCache, list[int]]:
     """A paged cache with random K/V whose `num_requests` requests hold `cached` positions each, allocated through
     the pool in steps of max_step_tokens, interleaved across requests as an engine's prefill would."""
-    bound = _swa_pages_bound(page_size=page_size, swa_keep=cfg.sliding_window + 1, max_step_tokens=max_step_tokens)
+    bound = swa_pages_bound_for(page_size=page_size, swa_keep=cfg.sliding_window + 1, max_step_tokens=max_step_tokens)
     cache = PagedKVCache(cfg, page_size=page_size, num_full_pages=num_requests * -(-max_context // page_size) + 1
                          + SLACK_PAGES, num_swa_pages=num_requests * bound + 1 + SLACK_PAGES,
                          max_context=max_context, max_step_tokens=max_step_tokens, dtype=DTYPE)
@@ -188,7 +188,7 @@ def gather_sets(rng, bs: int, table: int, window: int, page_size: int) -> list[t
     positions past their start; each set has its own page permutation and SWA mapping of the live pages."""
     max_pages = -(-table // page_size)
     num_full = bs * max_pages + 1
-    num_swa = bs * _swa_pages_bound(page_size=page_size, swa_keep=window + 1, max_step_tokens=1) + 1
+    num_swa = bs * swa_pages_bound_for(page_size=page_size, swa_keep=window + 1, max_step_tokens=1) + 1
     sets = []
     for j in range(NUM_SETS):
         page_table = rng.permutation(np.arange(1, num_full, dtype=np.int32)).reshape(bs, max_pages)
@@ -297,26 +297,6 @@ def run_kernels(args) -> dict:
 # ---- propose ------------------------------------------------------------------------------------------------------
 
 
-class NoCommandBufferDrafter(BucketedDrafter):
-    """The bucketed drafter with its buckets compiled with XLA command buffers (CUDA graphs) off: what the capture
-    buys. The lowering is `BucketedDrafter.compile`'s; bucketed.py has no hook for compiler options."""
-
-    def compile(self) -> None:
-        cache, i32 = self.cache, jnp.int32
-        fn = jax.jit(_draft_program(self.cfg, self.acfg, cache.spec, self.k, self.use_kernels),
-                     compiler_options=NO_COMMAND_BUFFERS)
-        statics = (jax.tree.map(_abstract, self.aparams), _abstract(self.target_embed),
-                   jax.tree.map(_abstract, cache.arrays), _abstract(cache.swa_of_full))
-        self.executables = {
-            b: fn.lower(*statics, jax.ShapeDtypeStruct((b, cache.spec.max_pages_per_request), i32),
-                        jax.ShapeDtypeStruct((b,), i32), jax.ShapeDtypeStruct((b,), i32),
-                        jax.ShapeDtypeStruct((self.seed_slots, self.acfg.backbone_hidden_size),
-                                             self.target_embed.dtype),
-                        jax.ShapeDtypeStruct((b,), i32)).compile()
-            for b in self.buckets}
-        self.compiles += 1
-
-
 def propose_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=PRESET_NAMES, default="E4B", help="target preset; the drafter is "
                    "assistant_preset(target): hidden 256, [S,S,S,F], 2048 centroids top-32")
@@ -347,7 +327,8 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
     kw = dict(buckets=args.bs, seed_slots=num_requests + 1)
     drafters = {"bucketed": BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw)}
     if jax.default_backend() == "gpu":
-        drafters["no_cmd_buffer"] = NoCommandBufferDrafter(aparams, acfg, target_embed, cfg, args.k, **kw)
+        drafters["no_cmd_buffer"] = BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw,
+                                                    compiler_options=NO_COMMAND_BUFFERS)
     drafters["eager"] = EagerDrafter(aparams, acfg, target_embed, cfg, args.k)
     for drafter in drafters.values():
         drafter.attach(cache)
@@ -531,7 +512,7 @@ def run_memory(args) -> dict:
         pages = -(-ctx // P)
         without = pages * P * (per_position[FULL] + per_position[SLIDING])
         for step_name, step in ((f"verify {args.k + 1}", args.k + 1), (f"chunk {args.chunk}", args.chunk)):
-            swa_pages = min(pages, _swa_pages_bound(page_size=P, swa_keep=W + 1, max_step_tokens=step))
+            swa_pages = min(pages, swa_pages_bound_for(page_size=P, swa_keep=W + 1, max_step_tokens=step))
             full, sliding = pages * P * per_position[FULL], swa_pages * P * per_position[SLIDING]
             rows.append({"ctx": ctx, "step": step_name, "max_step_tokens": step, "swa_pages": swa_pages,
                          "full_bytes": full, "sliding_bytes": sliding, "with_swa_bytes": full + sliding,

@@ -25,6 +25,7 @@ from jaxspec.draft.bucketed import DEFAULT_BUCKETS, BucketedDrafter
 from jaxspec.draft.eager import EagerDrafter
 from jaxspec.model import gemma4
 from jaxspec.paged_kv.cache import PagedKVCache
+from jaxspec.paged_kv.pool import swa_pages_bound_for
 
 DRAFT_MODES = ("bucketed", "eager", "off")
 
@@ -120,7 +121,8 @@ class Engine:
         pages_per_request = -(-max_context // page_size)
         num_pages = num_pages or max_running * pages_per_request + 1
         step_tokens = max(prefill_chunk, self.k + 1)
-        swa_bound = -(-(cfg.sliding_window + 1 + step_tokens) // page_size) + 1
+        swa_bound = swa_pages_bound_for(page_size=page_size, swa_keep=cfg.sliding_window + 1,
+                                        max_step_tokens=step_tokens)
         num_swa_pages = num_swa_pages or max_running * swa_bound + 1
         if num_pages - 1 < pages_per_request:
             raise ConfigError(f"--kv-pages {num_pages} cannot hold one request of {max_context} positions "

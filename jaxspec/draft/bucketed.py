@@ -44,7 +44,8 @@ class BucketedDrafter:
     """propose_bucket(...) -> device (drafts int32[bucket, k], last h_next [bucket, H_target])."""
 
     def __init__(self, aparams, acfg: AssistantConfig, target_embed, cfg: TargetConfig, k: int, *,
-                 buckets=DEFAULT_BUCKETS, seed_slots: int | None = None, use_kernels: bool = True):
+                 buckets=DEFAULT_BUCKETS, seed_slots: int | None = None, use_kernels: bool = True,
+                 compiler_options: dict | None = None):
         buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"draft buckets must be positive batch sizes, got {buckets}")
@@ -52,6 +53,7 @@ class BucketedDrafter:
         self.buckets = buckets
         self.seed_slots = seed_slots or buckets[-1] + 1
         self.use_kernels = use_kernels
+        self.compiler_options = compiler_options  # e.g. {"xla_gpu_enable_command_buffer": ""} to measure the graphs
         self.cache: PagedKVCache | None = None
         self.executables: dict[int, object] = {}
         self.compiles = 0  # how many times the buckets were (re)built: attach + each rebuild
@@ -64,7 +66,8 @@ class BucketedDrafter:
     def compile(self) -> None:
         """Compile every bucket against the cache's current shapes (ahead of time, off the serving path)."""
         cache = self.cache
-        fn = jax.jit(_draft_program(self.cfg, self.acfg, cache.spec, self.k, self.use_kernels))
+        fn = jax.jit(_draft_program(self.cfg, self.acfg, cache.spec, self.k, self.use_kernels),
+                     compiler_options=self.compiler_options)
         Ht = self.acfg.backbone_hidden_size
         statics = (jax.tree.map(_abstract, self.aparams), _abstract(self.target_embed),
                    jax.tree.map(_abstract, cache.arrays), _abstract(cache.swa_of_full))

@@ -20,7 +20,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _swa_pages_bound(*, page_size: int, swa_keep: int, max_step_tokens: int) -> int:
+def swa_pages_bound_for(*, page_size: int, swa_keep: int, max_step_tokens: int) -> int:
     # A step's window spans at most swa_keep + max_step_tokens positions; unaligned, that touches one page more.
     return _ceil_div(swa_keep + max_step_tokens, page_size) + 1
 
@@ -68,7 +68,7 @@ class PagePool:
             )
         if num_full_pages < 2:
             raise ValueError(f"the full pool needs a page besides the dummy, got num_full_pages={num_full_pages}")
-        bound = _swa_pages_bound(page_size=page_size, swa_keep=self.swa_keep, max_step_tokens=self.max_step_tokens)
+        bound = swa_pages_bound_for(page_size=page_size, swa_keep=self.swa_keep, max_step_tokens=self.max_step_tokens)
         if num_swa_pages - 1 < bound:
             raise ValueError(
                 f"the SWA pool ({num_swa_pages} pages, one a dummy) cannot hold one request's window of "
@@ -107,7 +107,8 @@ class PagePool:
     @property
     def swa_pages_bound(self) -> int:
         """The most SWA pages one request can ever hold."""
-        return _swa_pages_bound(page_size=self.page_size, swa_keep=self.swa_keep, max_step_tokens=self.max_step_tokens)
+        return swa_pages_bound_for(page_size=self.page_size, swa_keep=self.swa_keep,
+                                   max_step_tokens=self.max_step_tokens)
 
     @property
     def num_free_full(self) -> int:

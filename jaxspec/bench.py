@@ -33,6 +33,7 @@ from jaxspec.config import (FULL, LAYER_TYPES, PRESETS, SLIDING, AssistantConfig
                             assistant_preset)
 from jaxspec.draft.bucketed import BucketedDrafter
 from jaxspec.draft.eager import EagerDrafter
+from jaxspec.engine import Engine, Request, SamplingParams
 from jaxspec.model import gemma4
 from jaxspec.model.weights import random_assistant_params, random_target_params
 from jaxspec.paged_kv.cache import PagedKVCache, round_width
@@ -430,13 +431,15 @@ def dense_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, seed: int
 
 
 def paged_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, args):
-    """The same step over a paged cache whose requests hold ctx - 1 positions, through the Pallas kernels."""
-    cache, rids = paged_cache(cfg, bs, ctx - 1, max_context=ctx, page_size=args.page_size,
-                              max_step_tokens=args.chunk, seed=args.seed)
+    """The same step over a paged cache through the Pallas kernels: each request holds ctx - T positions and the
+    step writes the last T (T = 1: decode; T = k + 1: a verify step)."""
+    T = tokens[0].shape[1]
+    cache, rids = paged_cache(cfg, bs, ctx - T, max_context=ctx, page_size=args.page_size,
+                              max_step_tokens=max(args.chunk, T), seed=args.seed)
     for rid in rids:
-        cache.pool.prepare(rid, ctx - 1, ctx)
+        cache.pool.prepare(rid, ctx - T, ctx)
     fixed = (jnp.asarray(cache.pool.page_table(rids)), cache.swa_of_full)
-    start, num_tokens = jnp.full(bs, ctx - 1, jnp.int32), jnp.ones(bs, jnp.int32)
+    start, num_tokens = jnp.full(bs, ctx - T, jnp.int32), jnp.full(bs, T, jnp.int32)
     box = [cache.arrays]
 
     def call(i):
@@ -464,7 +467,8 @@ def run_decode(args) -> dict:
         for bs in args.bs:
             need = decode_bytes(cfg, params, bs, ctx)
             needs.append({"bs": bs, "ctx": ctx, **need})
-            tokens = [jnp.asarray(rng.integers(0, cfg.vocab_size, (bs, 1)), jnp.int32) for _ in range(NUM_SETS)]
+            T = getattr(args, "positions", 1)
+            tokens = [jnp.asarray(rng.integers(0, cfg.vocab_size, (bs, T)), jnp.int32) for _ in range(NUM_SETS)]
             for mode in modes:
                 if mode == "dense":
                     call, leaves, note = dense_decode(params, cfg, bs, ctx, tokens, args.seed)
@@ -474,21 +478,89 @@ def run_decode(args) -> dict:
                     call, leaves, note = paged_decode(unstacked, cfg, bs, ctx, tokens, args)
                 step_us = median_us(call, args.iters)
                 bound_us = need["total"] / args.hbm_bw * 1e6
-                rows.append({"cache": mode, "bs": bs, "ctx": ctx, "step_ms": step_us / 1e3,
+                rows.append({"cache": mode, "bs": bs, "ctx": ctx, "positions": T, "step_ms": step_us / 1e3,
                              "tokens_per_s": bs / step_us * 1e6, "bound_ms": bound_us / 1e3,
                              "step/bound": step_us / bound_us, "jit_leaves": leaves, "memory": note})
-                print(f"decode {mode} bs {bs} ctx {ctx}: {step_us / 1e3:.3f} ms; {note}")
+                print(f"step of {T} position(s), {mode} bs {bs} ctx {ctx}: {step_us / 1e3:.3f} ms; {note}")
                 del call
                 gc.collect()
     keys = [k for k in needs[0] if k not in ("bs", "ctx")]
     print_table(f"MiB one decode step reads, each once (the HBM bound is total / {args.hbm_bw:.3g} B/s)",
                 [("bs", "bs", "{}"), ("ctx", "ctx", "{}")] + [(k, k, "{:.1f}") for k in keys],
                 [{**n, **{k: n[k] / 2**20 for k in keys}} for n in needs])
-    print_table(f"decode step (T=1) of {args.preset}, random bf16", [
+    print_table(f"target step (T={getattr(args, 'positions', 1)}) of {args.preset}, random bf16", [
         ("cache", "cache", "{}"), ("bs", "bs", "{}"), ("ctx", "ctx", "{}"), ("step_ms", "ms/step", "{:.3f}"),
         ("tokens_per_s", "tok/s", "{:.0f}"), ("bound_ms", "bound_ms", "{:.3f}"),
         ("step/bound", "step/bound", "{:.2f}"), ("jit_leaves", "jit_leaves", "{}")], rows)
     return {"preset": args.preset, "rows": rows, "bytes": needs, "weight_bytes": weights}
+
+
+# ---- verify: the target step of a speculative round (k + 1 positions) ------------------------------------------------
+
+
+def verify_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=PRESET_NAMES, default="E4B")
+    p.add_argument("--bs", type=sizes, default=[1, 16])
+    p.add_argument("--ctx", type=sizes, default=[4096], help="positions in the cache after the step")
+    p.add_argument("-k", type=positive, default=3, help="drafts verified per step (the step runs k + 1 positions)")
+    p.add_argument("--chunk", type=positive, default=256, help="prefill chunk: the pool's max_step_tokens")
+
+
+def run_verify(args) -> dict:
+    """One verify step (k + 1 positions per row) over the paged cache, against the HBM bound (the bytes of a decode
+    step: weights once, K/V once)."""
+    args.positions, args.cache, args.unstacked = args.k + 1, "paged", False
+    return run_decode(args)
+
+
+# ---- e2e: the engine end to end --------------------------------------------------------------------------------------
+
+
+def e2e_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=PRESET_NAMES, default="E4B")
+    p.add_argument("--bs", type=sizes, default=[1, 4, 16], help="requests running together (one bucket each)")
+    p.add_argument("--modes", default="off,eager,bucketed", help="draft modes to compare")
+    p.add_argument("-k", type=positive, default=3)
+    p.add_argument("--prompt-len", type=positive, default=1024)
+    p.add_argument("--new-tokens", type=positive, default=64)
+    p.add_argument("--chunk", type=positive, default=256, help="prefill chunk")
+
+
+def run_e2e(args) -> dict:
+    """Decode tokens/s, accept length and the per-round time split of the engine with a random-weight pair."""
+    cfg = target_preset(args.preset)
+    acfg = drafter_preset(args.preset, cfg)
+    params = random_target_params(cfg, args.seed, dtype=DTYPE)
+    aparams = random_assistant_params(acfg, args.seed + 1, dtype=DTYPE)
+    rng = np.random.default_rng(args.seed)
+    max_context = args.prompt_len + args.new_tokens + args.k + 2
+    rows = []
+    for bs in args.bs:
+        prompts = [rng.integers(3, cfg.vocab_size, args.prompt_len).tolist() for _ in range(bs)]
+        for mode in args.modes.split(","):
+            engine = Engine(cfg, params, acfg=acfg, aparams=aparams, k=args.k, draft_mode=mode, buckets=(bs,),
+                            max_running=bs, page_size=args.page_size, max_context=max_context,
+                            prefill_chunk=args.chunk)
+            engine.warmup()
+            sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+            requests = [Request(prompt_ids=p, params=sp) for p in prompts]
+            engine.generate(requests)
+            s = engine.summary(requests)
+            rounds = max(s["rounds"], 1)
+            split = {f"{k}_ms_per_round": v / rounds * 1e3 for k, v in s["round_split_s"].items() if k != "prefill"}
+            rows.append({"bs": bs, "mode": mode, "k": engine.k, "decode_tokens_per_s": s["decode_tokens_per_s"],
+                         "mean_accept_length": s["mean_accept_length"], "rounds": s["rounds"],
+                         "ttft_ms_mean": s["ttft_ms_mean"], **split})
+            print(f"e2e bs {bs} {mode}: {s['decode_tokens_per_s']:.1f} tok/s, accept {s['mean_accept_length']:.2f}")
+            del engine
+            gc.collect()
+    print_table(f"engine end to end, {args.preset} random pair, prompt {args.prompt_len}, {args.new_tokens} new "
+                f"tokens (decode tokens/s = sum(predicted_n) / sum(predicted_ms))", [
+                    ("bs", "bs", "{}"), ("mode", "mode", "{}"), ("decode_tokens_per_s", "tok/s", "{:.1f}"),
+                    ("mean_accept_length", "accept", "{:.2f}"), ("draft_ms_per_round", "draft_ms", "{:.3f}"),
+                    ("verify_ms_per_round", "verify_ms", "{:.3f}"), ("host_ms_per_round", "host_ms", "{:.3f}")],
+                rows)
+    return {"preset": args.preset, "rows": rows}
 
 
 # ---- memory -------------------------------------------------------------------------------------------------------
@@ -528,11 +600,13 @@ def run_memory(args) -> dict:
 
 # ---- command line -------------------------------------------------------------------------------------------------
 
-# name -> (add its options, run it); `verify` and `e2e` join here.
+# name -> (add its options, run it)
 SUBCOMMANDS = {
     "kernels": (kernels_args, run_kernels),
     "propose": (propose_args, run_propose),
     "decode": (decode_args, run_decode),
+    "verify": (verify_args, run_verify),
+    "e2e": (e2e_args, run_e2e),
     "memory": (memory_args, run_memory),
 }
 

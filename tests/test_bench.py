@@ -74,3 +74,18 @@ def test_bad_sizes_exit_2():
     with pytest.raises(SystemExit) as e:
         bench.main(["kernels", "--bs", "1,x"])
     assert e.value.code == 2
+
+
+def test_verify(tmp_path):
+    r = run(tmp_path, "verify", "--preset", "tiny", "--bs", "2", "--ctx", "24", "-k", "3")
+    assert [(d["cache"], d["bs"], d["ctx"], d["positions"]) for d in r["rows"]] == [("paged", 2, 24, 4)]
+    assert {"step_ms", "bound_ms", "step/bound"} <= set(r["rows"][0])
+
+
+def test_e2e(tmp_path):
+    r = run(tmp_path, "e2e", "--preset", "tiny", "--bs", "2", "--modes", "off,bucketed", "--prompt-len", "12",
+            "--new-tokens", "6", "--chunk", "8", "--page-size", "4")
+    assert [(e["bs"], e["mode"], e["k"]) for e in r["rows"]] == [(2, "off", 0), (2, "bucketed", 3)]
+    for e in r["rows"]:
+        assert e["decode_tokens_per_s"] > 0 and e["mean_accept_length"] >= 1.0
+        assert {"draft_ms_per_round", "verify_ms_per_round", "host_ms_per_round"} <= set(e)

@@ -105,6 +105,8 @@ class Engine:
         buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not buckets or buckets[0] < 1:
             raise ConfigError(f"batch buckets must be positive integers, got {buckets}")
+        # buckets above the first one that holds every running request would never be used: skip their compiles
+        buckets = tuple(b for b in buckets if b < max_running) + tuple(b for b in buckets if b >= max_running)[:1]
         if max_running < 1:
             raise ConfigError(f"max_running_requests must be >= 1, got {max_running}")
         self.cfg, self.params = cfg, params

@@ -269,14 +269,18 @@ class Engine:
                 done = self._decode_round([r for r in running if r.decoding and not r.finish_reason], running,
                                           waiting, free_slots)
                 for r in done:
-                    running.remove(r)
-                    self.cache.pool.free(r)
-                    free_slots.append(r.slot)
+                    self._release(r, running, free_slots)
                     if on_progress:
                         on_progress(1)
         if tracing:
             jax.profiler.stop_trace()
         return requests
+
+    def _release(self, r, running, free_slots) -> None:
+        """Take r off the running list and give back its pages and its seed-table slot."""
+        running.remove(r)
+        self.cache.pool.free(r)
+        free_slots.append(r.slot)
 
     def _preempt(self, running, waiting, free_slots, keep) -> bool:
         """Free the most recently admitted running request other than `keep`; it will be recomputed."""
@@ -284,9 +288,7 @@ class Engine:
         if not victims:
             return False
         v = victims[-1]
-        running.remove(v)
-        self.cache.pool.free(v)
-        free_slots.append(v.slot)
+        self._release(v, running, free_slots)
         v.slot, v.cached_len = 0, 0
         v.preemptions += 1
         waiting.appendleft(v)
@@ -349,9 +351,7 @@ class Engine:
         self.stats.prefill_s += time.perf_counter() - t0
 
     def _decode_round(self, rows, running, waiting, free_slots) -> list[Request]:
-        done = [r for r in running if r.finish_reason]
-        if not rows:
-            return done
+        """One round for the decoding rows; returns every running request that has finished (in prefill too)."""
         t0 = time.perf_counter()
         k = self.k
         ready = [r for r in rows if r in running and self._prepare(r, r.cached_len, r.cached_len + k + 1, running,

@@ -116,8 +116,9 @@ class PagedKVCache:
 # ---- metadata and attention over the paged cache (pure, traced inside the jitted steps) ---------------------------
 
 
-def window_start(cfg: TargetConfig, layer_type: str, start, keep: int):
-    """First position a step starting at `start` reads for `layer_type` (sliding: the last `keep` positions)."""
+def window_start(layer_type: str, start, keep: int):
+    """First position read for `layer_type` by a step whose first new position is `start`: sliding layers read the
+    last `keep` positions before it (the target W - 1, the drafter W + 1), full layers everything."""
     if layer_type == SLIDING:
         return jnp.maximum(start - keep, 0)
     return jnp.zeros_like(start)
@@ -141,7 +142,7 @@ def step_metadata(cfg: TargetConfig, spec: CacheSpec, page_table, swa_of_full, s
             continue
         swa = swa_of_full if t == SLIDING else None
         keep = cfg.sliding_window - 1
-        kv_start = window_start(cfg, t, start, keep)
+        kv_start = window_start(t, start, keep)
         width = round_width(spec.max_context if t == FULL else keep + T)
         meta[t] = {
             "write": gather_kv_indices_ref(page_table, start, end, swa, width=T, page_size=spec.page_size),
@@ -183,14 +184,6 @@ def draft_window_width(cfg: TargetConfig, spec: CacheSpec, layer_type: str, wind
     return round_width(spec.max_context if layer_type == FULL else window + 1)
 
 
-def draft_bounds(layer_type: str, cached_len, window: int):
-    """The drafter's window of one attention type: positions [kv_start, cached_len); sliding layers see the last
-    window + 1 committed positions (transformers' assistant mask), full layers all of them."""
-    if layer_type == SLIDING:
-        return jnp.maximum(cached_len - window - 1, 0)
-    return jnp.zeros_like(cached_len)
-
-
 def draft_metadata(cfg: TargetConfig, spec: CacheSpec, page_table, swa_of_full, cached_len, window: int,
                    layer_types, *, use_kernels: bool = True):
     """Index lists of the drafter's windows (device side, live entries only, SWA translation in the same kernel).
@@ -200,7 +193,7 @@ def draft_metadata(cfg: TargetConfig, spec: CacheSpec, page_table, swa_of_full, 
     gather = gather_kv_indices if use_kernels else gather_kv_indices_ref
     meta = {}
     for t in sorted(set(layer_types)):
-        kv_start = draft_bounds(t, cached_len, window)
+        kv_start = window_start(t, cached_len, window + 1)  # transformers' assistant mask: the last W + 1
         meta[t] = {
             "read": gather(page_table, kv_start, cached_len, swa_of_full if t == SLIDING else None,
                            width=draft_window_width(cfg, spec, t, window), page_size=spec.page_size),

@@ -524,43 +524,125 @@ def e2e_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=positive, default=1024)
     p.add_argument("--new-tokens", type=positive, default=64)
     p.add_argument("--chunk", type=positive, default=256, help="prefill chunk")
+    p.add_argument("--model", help="target checkpoint folder (HF layout) instead of the preset's random weights")
+    p.add_argument("--assistant", help="assistant checkpoint folder (with --model)")
+    p.add_argument("--prompts", help="with --model: a .jsonl of prompt_ids; row i of a batch takes prompt i (cycled)")
+    p.add_argument("--stop-at-eos", action="store_true", help="stop requests at EOS (default: exactly --new-tokens)")
+    p.add_argument("--dtype", default="bf16", help="bf16 (default) or fp32 (e.g. for CPU figures)")
+    p.add_argument("--profile-dir", help="write a jax profiler trace of the first bs's bucketed run here (summarise "
+                   "it with `python -m jaxspec.bench trace DIR`; set XLA_FLAGS=--xla_enable_command_buffers_during_"
+                   "profiling=true to keep the CUDA graphs as production runs them)")
+
+
+def e2e_pair(args):
+    """(label, cfg, params, acfg, aparams, prompts(bs)) for the e2e bench: a checkpoint pair or the random preset."""
+    from jaxspec.model.weights import compute_dtype
+
+    dtype = compute_dtype(args.dtype)
+    if args.model:
+        from jaxspec.generate import read_prompts
+        from jaxspec.model.weights import load_assistant, load_target
+
+        if not (args.assistant and args.prompts):
+            raise ConfigError("--model needs --assistant and --prompts (a .jsonl of prompt_ids)")
+        cfg, params = load_target(args.model, dtype)
+        acfg, aparams = load_assistant(args.assistant, dtype)
+        ids = [p for p, _ in read_prompts(argparse.Namespace(prompt=[], prompts=args.prompts), None)]
+        if not ids:
+            raise ConfigError(f"no prompts in {args.prompts}")
+        args.prompt_len = max(len(p) for p in ids)
+        return os.path.basename(os.path.normpath(args.model)), cfg, params, acfg, aparams, \
+            lambda bs: [ids[i % len(ids)] for i in range(bs)]
+    cfg = target_preset(args.preset)
+    acfg = drafter_preset(args.preset, cfg)
+    params = random_target_params(cfg, args.seed, dtype=dtype)
+    aparams = random_assistant_params(acfg, args.seed + 1, dtype=dtype)
+    rng = np.random.default_rng(args.seed)
+    return f"{args.preset} random pair", cfg, params, acfg, aparams, \
+        lambda bs: [rng.integers(3, cfg.vocab_size, args.prompt_len).tolist() for _ in range(bs)]
 
 
 def run_e2e(args) -> dict:
-    """Decode tokens/s, accept length and the per-round time split of the engine with a random-weight pair."""
-    cfg = target_preset(args.preset)
-    acfg = drafter_preset(args.preset, cfg)
-    params = random_target_params(cfg, args.seed, dtype=DTYPE)
-    aparams = random_assistant_params(acfg, args.seed + 1, dtype=DTYPE)
-    rng = np.random.default_rng(args.seed)
+    """Decode tokens/s, accept length and the per-round time split of the engine (a random preset pair or
+    checkpoint folders)."""
+    label, cfg, params, acfg, aparams, make_prompts = e2e_pair(args)
     max_context = args.prompt_len + args.new_tokens + args.k + 2
     rows = []
     for bs in args.bs:
-        prompts = [rng.integers(3, cfg.vocab_size, args.prompt_len).tolist() for _ in range(bs)]
+        prompts = make_prompts(bs)
         for mode in args.modes.split(","):
             engine = Engine(cfg, params, acfg=acfg, aparams=aparams, k=args.k, draft_mode=mode, buckets=(bs,),
                             max_running=bs, page_size=args.page_size, max_context=max_context,
                             prefill_chunk=args.chunk)
             engine.warmup()
-            sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+            sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=not args.stop_at_eos)
             requests = [Request(prompt_ids=p, params=sp) for p in prompts]
-            engine.generate(requests)
+            profile = args.profile_dir if (mode == "bucketed" and bs == args.bs[0]) else None
+            engine.generate(requests, profile_dir=profile)
             s = engine.summary(requests)
             rounds = max(s["rounds"], 1)
             split = {f"{k}_ms_per_round": v / rounds * 1e3 for k, v in s["round_split_s"].items() if k != "prefill"}
             rows.append({"bs": bs, "mode": mode, "k": engine.k, "decode_tokens_per_s": s["decode_tokens_per_s"],
                          "mean_accept_length": s["mean_accept_length"], "rounds": s["rounds"],
+                         "acceptance_per_position": s["acceptance_per_position"],
+                         "generated_tokens": s["generated_tokens"],
                          "ttft_ms_mean": s["ttft_ms_mean"], **split})
             print(f"e2e bs {bs} {mode}: {s['decode_tokens_per_s']:.1f} tok/s, accept {s['mean_accept_length']:.2f}")
             del engine
             gc.collect()
-    print_table(f"engine end to end, {args.preset} random pair, prompt {args.prompt_len}, {args.new_tokens} new "
+    print_table(f"engine end to end, {label}, prompt {args.prompt_len}, {args.new_tokens} new "
                 f"tokens (decode tokens/s = sum(predicted_n) / sum(predicted_ms))", [
                     ("bs", "bs", "{}"), ("mode", "mode", "{}"), ("decode_tokens_per_s", "tok/s", "{:.1f}"),
                     ("mean_accept_length", "accept", "{:.2f}"), ("draft_ms_per_round", "draft_ms", "{:.3f}"),
                     ("verify_ms_per_round", "verify_ms", "{:.3f}"), ("host_ms_per_round", "host_ms", "{:.3f}")],
                 rows)
-    return {"preset": args.preset, "rows": rows}
+    return {"preset": args.preset if not args.model else None, "model": label, "rows": rows}
+
+
+# ---- trace: summarise a profiler trace -----------------------------------------------------------------------------
+
+
+def trace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="a --profile-dir of generate or `bench e2e` (its newest *.xplane.pb is read)")
+    p.add_argument("--top", type=positive, default=15, help="kernels to list")
+
+
+def run_trace(args) -> dict:
+    """The top device kernels and XLA modules of a profiler trace, per round (one round = one verify module)."""
+    import glob
+    from collections import defaultdict
+
+    from jax.profiler import ProfileData
+
+    files = sorted(glob.glob(os.path.join(args.dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    if not files:
+        raise ConfigError(f"no *.xplane.pb under {args.dir}")
+    data = ProfileData.from_file(files[-1])
+    kernels, modules = defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0])
+    for plane in data.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            table = modules if line.name == "XLA Modules" else kernels if line.name.startswith("Stream") else None
+            if table is None:
+                continue
+            for ev in line.events:
+                entry = table[ev.name]
+                entry[0] += 1
+                entry[1] += ev.duration_ns / 1e3
+    rounds = max((n for name, (n, _) in modules.items() if "verify" in name), default=0) or 1
+    total = sum(t for _, t in kernels.values()) or 1.0
+    krows = [{"kernel": name[:90], "calls": n, "us_per_round": t / rounds, "share": t / total}
+             for name, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:args.top]]
+    mrows = [{"module": name[:90], "calls": n, "us_per_round": t / rounds}
+             for name, (n, t) in sorted(modules.items(), key=lambda kv: -kv[1][1])]
+    print_table(f"XLA modules of {files[-1]} ({rounds} rounds)",
+                [("module", "module", "{}"), ("calls", "calls", "{}"), ("us_per_round", "us/round", "{:.1f}")], mrows)
+    print_table(f"top {args.top} device kernels (all kernels: {total / rounds:.1f} us/round)",
+                [("kernel", "kernel", "{}"), ("calls", "calls", "{}"), ("us_per_round", "us/round", "{:.1f}"),
+                 ("share", "share", "{:.1%}")], krows)
+    return {"trace": files[-1], "rounds": rounds, "kernel_us_per_round": total / rounds, "modules": mrows,
+            "kernels": krows}
 
 
 # ---- memory -------------------------------------------------------------------------------------------------------
@@ -608,6 +690,7 @@ SUBCOMMANDS = {
     "verify": (verify_args, run_verify),
     "e2e": (e2e_args, run_e2e),
     "memory": (memory_args, run_memory),
+    "trace": (trace_args, run_trace),
 }
 
 

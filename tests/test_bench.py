@@ -89,3 +89,16 @@ def test_e2e(tmp_path):
     for e in r["rows"]:
         assert e["decode_tokens_per_s"] > 0 and e["mean_accept_length"] >= 1.0
         assert {"draft_ms_per_round", "verify_ms_per_round", "host_ms_per_round"} <= set(e)
+
+
+def test_e2e_profile_then_trace_summary(tmp_path):
+    prof = str(tmp_path / "prof")
+    run(tmp_path, "e2e", "--preset", "tiny", "--bs", "1", "--modes", "bucketed", "--prompt-len", "8",
+        "--new-tokens", "4", "--chunk", "8", "--page-size", "4", "--profile-dir", prof)
+    r = run(tmp_path, "trace", prof)
+    assert r["trace"].startswith(prof) and r["trace"].endswith(".xplane.pb")
+    assert isinstance(r["kernels"], list) and isinstance(r["modules"], list)
+    with pytest.raises(SystemExit) as e:  # no trace there: one line, exit 2
+        (tmp_path / "empty").mkdir()
+        run(tmp_path, "trace", str(tmp_path / "empty"))
+    assert e.value.code == 2

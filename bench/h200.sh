@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Device-machine runs (results under $OUT): `bash bench/h200.sh tests`, `... cmdbuf`, `... bench`.
-# Each part fits one device call (10 minutes); run them as separate calls.
+# Device-machine runs (results under $OUT): `bash bench/h200.sh tests`, `... cmdbuf`, `... bench`, `... e2e0`, `... e2e1`.
+# Each part fits one device call (10 minutes). On a two-GPU machine two parts run side by side:
+#   (CUDA_VISIBLE_DEVICES=0 bash bench/h200.sh e2e0 &); CUDA_VISIBLE_DEVICES=1 bash bench/h200.sh e2e1; wait
+# (e2e1 runs bench/peers/run_peers.sh: carry .whl). Compiles are shared within a part through the persistent cache.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache-${1:-bench} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
-python3 -c "import jax; print(jax.__version__, jax.devices())" >> "$OUT/gpu.txt" 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu-${1:-bench}.txt"
+python3 -c "import jax; print(jax.__version__, jax.devices())" >> "$OUT/gpu-${1:-bench}.txt" 2>&1
 
 case "${1:-bench}" in
 tests)  # the same tests as on the CPU, kernels compiled by Triton (test_generate needs transformers 5.24: skipped)
@@ -25,4 +29,31 @@ bench)
   timeout 120 python3 -m jaxspec.bench verify --bs 1,16 --json "$OUT/verify.json" >> "$OUT/bench.log" 2>&1
   timeout 240 python3 -m jaxspec.bench e2e --bs 1,4,16 --json "$OUT/e2e.json" >> "$OUT/bench.log" 2>&1
   grep -A14 "^ctx  bs\|^cache\|^bs  mode" "$OUT/bench.log" | head -60 ;;
+e2e0)  # engine end to end at a 1K prompt (issue #5), one profiled bucketed round set, verify vs the HBM bound
+  XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout 330 python3 -m jaxspec.bench e2e \
+    --bs 1,4,16 --prompt-len 1024 --profile-dir /tmp/prof --json "$OUT/e2e-1k.json" > "$OUT/e2e0.log" 2>&1
+  timeout 60 python3 -m jaxspec.bench trace /tmp/prof --json "$OUT/trace.json" >> "$OUT/e2e0.log" 2>&1
+  timeout 120 python3 -m jaxspec.bench verify --bs 1,16 --json "$OUT/verify.json" >> "$OUT/e2e0.log" 2>&1
+  grep -A20 "^bs  \|^XLA modules\|^top\|^cache" "$OUT/e2e0.log" | head -70 ;;
+e2e1)  # the transformers and keras-hub peers (bench/peers), then jaxspec at a 4K prompt, bs 1
+  bash bench/peers/run_peers.sh all
+  timeout 200 python3 -m jaxspec.bench e2e --bs 1 --modes off,bucketed --prompt-len 4096 \
+    --json "$OUT/e2e-4k.json" > "$OUT/e2e1.log" 2>&1
+  grep -A6 "^bs  " "$OUT/e2e1.log" ;;
+e2e-bs)  # one e2e batch size per GPU (E2E_BS), all three modes, rows saved as they land; then $E2E_THEN
+  timeout ${E2E_TIMEOUT:-470} python3 -m jaxspec.bench e2e --bs "$E2E_BS" --prompt-len 1024 \
+    --json "$OUT/e2e-1k-bs$E2E_BS.json" > "$OUT/e2e-bs$E2E_BS.log" 2>&1
+  grep "^e2e bs" "$OUT/e2e-bs$E2E_BS.log" ;;
+distill)  # issue #7: convert the GGUF (at $GGUF), distill the drafter, pack it under $OUT, e2e with/without it
+  # needs .dist/ (gguf wheel, prompts.jsonl and heldout.jsonl from `python -m jaxspec.corpus`) and /tmp/site-hf
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site-gguf .dist/gguf-*.whl
+  PYTHONPATH=/tmp/site-gguf:/tmp/site-hf:. python3 -c "from jaxspec.model.gguf import convert_gguf as c; \
+    c('$GGUF', '/root/g270')" > "$OUT/distill.log" 2>&1
+  timeout ${DISTILL_TIMEOUT:-330} python3 -m jaxspec.distill --model /root/g270 --out /root/asst \
+    --packed-out "$OUT/packed" --prompts .dist/prompts.jsonl --ckpt-dir /root/ckpt ${DISTILL_ARGS:-} \
+    >> "$OUT/distill.log" 2>&1
+  cp /root/asst/distill.json "$OUT/" 2>/dev/null
+  timeout 200 python3 -m jaxspec.bench e2e --model /root/g270 --assistant /root/asst --prompts .dist/heldout.jsonl \
+    --bs 1,8 --modes off,bucketed --new-tokens 128 --json "$OUT/e2e-270m.json" > "$OUT/e2e-270m.log" 2>&1
+  tail -5 "$OUT/distill.log"; grep -A5 "^bs  \|^ *bs  " "$OUT/e2e-270m.log" ;;
 esac

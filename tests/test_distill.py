@@ -1,0 +1,321 @@
+"""Distillation (`jaxspec.distill`): the training forward equals the engine's drafter, a short run learns, the
+written checkpoint loads and packs, and the CLI runs end to end.
+
+Target: the tiny real-format Gemma 3 checkpoint (gemma3_text, W = 8, V = 512), prompts of 12 tokens + 24 greedy
+tokens, so the drafter's sliding window (W + 1 = 9 positions) is shorter than the sequences.
+"""
+
+import hashlib
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import golden_path
+from jaxspec import corpus
+from jaxspec import distill as D
+from jaxspec.config import assistant_config_from_dict, check_pair
+from jaxspec.engine import Engine, Request, SamplingParams
+from jaxspec.model import packed
+from jaxspec.model.weights import load_assistant, load_target, random_assistant_params
+
+TARGET = golden_path("gemma3", "target")
+PROMPT_LEN, NEW, K, KEEP = 12, 24, 3, 128
+Q = NEW - 1
+SIZES = dict(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)  # layer types [S, F]
+TC = D.TrainConfig(k=K, steps=100, batch=8, lr=1e-2, warmup=10, seed=0, dtype="fp32")
+CLI_ARGS = ["--new-tokens", str(NEW), "--k", str(K), "--keep-vocab", str(KEEP), "--steps", str(TC.steps),
+            "--batch", str(TC.batch), "--lr", str(TC.lr), "--warmup", str(TC.warmup), "--gen-batch", "16",
+            "--assistant-hidden", "32", "--assistant-layers", "2", "--assistant-heads", "4",
+            "--assistant-intermediate", "64", "--dtype", "fp32", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg, params = load_target(TARGET, "fp32")
+    acfg = assistant_config_from_dict(D.assistant_hf_config(cfg, **SIZES))
+    check_pair(cfg, acfg)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size, PROMPT_LEN).tolist() for _ in range(80)]
+    types = tuple(sorted(set(acfg.text.layer_types)))
+    data = D.build_dataset(params, cfg, prompts[:64], NEW, types, 16)
+    held = D.build_dataset(params, cfg, prompts[64:], NEW, types, 16)
+    kept = D.kept_vocabulary(D.draft_targets(data), KEEP, cfg.vocab_size)
+    assert len(kept) == KEEP < cfg.vocab_size  # zero rows exist: the head's 0-logit rule is exercised
+    return dict(cfg=cfg, params=params, acfg=acfg, prompts=prompts, data=data, held=held, kept=kept,
+                head=D.vocab_head(kept, cfg.vocab_size))
+
+
+@pytest.fixture(scope="module")
+def trained(tiny):
+    t = tiny
+    p0 = D.init_params(t["acfg"], len(t["kept"]), TC.seed)
+    before = D.evaluate(p0, t["acfg"], TC, Q, t["head"], t["params"]["embed"], t["held"])
+    p1, _ = D.train(p0, t["acfg"], TC, Q, t["head"], t["params"]["embed"], t["data"], progress=False)
+    after = D.evaluate(p1, t["acfg"], TC, Q, t["head"], t["params"]["embed"], t["held"])
+    return p1, before, after
+
+
+# ---- (a, b) the training forward against the engine's drafter ------------------------------------------------------
+
+
+def random_pair(tiny):
+    """A random drafter (sharp logits) with the reduced head: (inference tree, training tree)."""
+    full = random_assistant_params(tiny["acfg"], 5, jnp.float32)
+    kept = jnp.asarray(tiny["kept"])
+    full["embed"] = jnp.zeros_like(full["embed"]).at[kept].set(full["embed"][kept] * 40.0)
+    return full, D.kept_view(full, tiny["kept"])
+
+
+@pytest.fixture(scope="module")
+def engine_drafts(tiny):
+    """Real rounds: the engine prefills tok[:p] of a training sequence (its greedy token there must be tok[p]), so
+    its first round runs at cached_len = p with pending tok[p]; record (row, p, pending, drafts) of each request's
+    only round. The bucketed drafter (equal to the eager reference, test_drafter.py) keeps this test fast.
+    Returns (the engine, the rounds)."""
+    t = tiny
+    aparams, _ = random_pair(t)
+    positions = [12, 14, 17, 20, 23, 26, 29, 32]  # p + K <= T - 1; many past the W + 1 window
+    tokens = np.asarray(t["data"]["tokens"])
+    eng = Engine(t["cfg"], t["params"], acfg=t["acfg"], aparams=aparams, k=K, draft_mode="bucketed", buckets=(8,),
+                 max_running=8, page_size=4, max_context=64, prefill_chunk=16)
+    seen = []
+    real = eng.drafter.propose_bucket
+
+    def spy(bucket, page_table, cached_len, pending, seed_table, seed_rows):
+        drafts, h = real(bucket, page_table, cached_len, pending, seed_table, seed_rows)
+        seen.extend(zip(np.asarray(cached_len).tolist(), np.asarray(pending).tolist(), np.asarray(drafts).tolist()))
+        return drafts, h
+
+    eng.drafter.propose_bucket = spy
+    reqs = [Request(prompt_ids=tokens[i, :p].tolist(), params=SamplingParams(max_new_tokens=2, ignore_eos=True))
+            for i, p in enumerate(positions)]
+    eng.generate(reqs)
+    by_p = {c: (pend, d) for c, pend, d in seen if c in positions}
+    assert sorted(by_p) == positions
+    return eng, [(i, p, *by_p[p]) for i, p in enumerate(positions)]
+
+
+def training_drafts(tiny, rounds, params):
+    """Drafts of the training forward at each round's (row, p) with teacher tokens = the engine's drafts; p is the
+    third query of its row (the others run alongside, as in training)."""
+    t = tiny
+    rows = np.asarray([i for i, *_ in rounds])
+    batch = {n: a[rows] for n, a in t["data"].items()}
+    tokens = np.asarray(batch["tokens"]).copy()
+    for b, (_, p, _, drafts) in enumerate(rounds):
+        tokens[b, p + 1: p + 1 + K] = drafts
+    batch["tokens"] = jnp.asarray(tokens)
+    batch["prompt_len"] = jnp.asarray([p - 2 for _, p, *_ in rounds], jnp.int32)
+
+    def drafts(params, batch):  # a new function per call: a monkeypatched mask is traced, never a cached program
+        hn, labels, _ = D.draft_forward(params, t["acfg"], t["params"]["embed"], batch, K, 4)
+        return D.head_outputs(params["kept_embed"], t["head"], t["cfg"].vocab_size, hn.reshape(-1, hn.shape[-1]),
+                              labels.reshape(-1))[1]
+
+    return np.asarray(jax.jit(drafts)(params, batch)).reshape(K, len(rounds), 4)[:, :, 2].T  # [rounds, K]
+
+
+def test_training_forward_equals_the_engines_drafter(tiny, engine_drafts):
+    _, rounds = engine_drafts
+    tokens = np.asarray(tiny["data"]["tokens"])
+    for i, p, pending, _ in rounds:
+        assert pending == tokens[i, p]  # the engine's pending token is the training example's
+    want = np.asarray([d for *_, d in rounds])
+    assert len({tuple(d) for d in want}) > 4  # the drafts depend on the position
+    got = training_drafts(tiny, rounds, random_pair(tiny)[1])
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("breakage", ["window includes p", "sliding window ignored"])
+def test_a_broken_mask_fails_the_comparison(tiny, engine_drafts, monkeypatch, breakage):
+    real = D.window_mask
+
+    def broken(layer_type, cached_len, num_keys, window):
+        if breakage == "window includes p":
+            return real(layer_type, cached_len + 1, num_keys, window)
+        return real("full_attention", cached_len, num_keys, window)
+
+    monkeypatch.setattr(D, "window_mask", broken)
+    _, rounds = engine_drafts
+    got = training_drafts(tiny, rounds, random_pair(tiny)[1])
+    want = np.asarray([d for *_, d in rounds])
+    print(f"{breakage}: {np.mean(np.any(got != want, axis=1)):.2f} of rounds differ")
+    assert np.mean(np.any(got != want, axis=1)) >= 0.5
+
+
+def test_reduced_head_is_the_full_zero_filled_head(tiny):
+    """CE and greedy token from the kept rows equal those of the materialised V-wide logits (zeros elsewhere),
+    including rows where every kept logit is negative (a zero row, the lowest free id, wins)."""
+    t = tiny
+    V = t["cfg"].vocab_size
+    rng = np.random.default_rng(1)
+    kept_embed = rng.normal(size=(len(t["kept"]), 8))
+    kept_embed[:, 0] = np.abs(kept_embed[:, 0]) + 0.1
+    hn = rng.normal(size=(64, 8))
+    hn[:16] = np.eye(8)[0] * -5.0  # every kept logit < 0 on these rows
+    kept_embed, hn = jnp.asarray(kept_embed, jnp.float32), jnp.asarray(hn, jnp.float32)
+    labels = jnp.asarray(rng.choice(np.concatenate([t["kept"], np.arange(V)]), 64), jnp.int32)
+    ce, token = D.head_outputs(kept_embed, t["head"], V, hn, labels)
+    full = jnp.zeros((V, 8)).at[jnp.asarray(t["kept"])].set(kept_embed)
+    logits = hn @ full.T
+    want_ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[:, None], 1)[:, 0]
+    np.testing.assert_allclose(ce, want_ce, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(token, jnp.argmax(logits, -1))
+    assert int(jnp.sum(jnp.max(logits[:16][:, t["kept"]], -1) < 0)) == 16
+
+
+# ---- (c) a short run learns ----------------------------------------------------------------------------------------
+
+
+def test_short_run_learns(trained):
+    _, before, after = trained
+    print(f"held-out loss {before['loss']:.3f} -> {after['loss']:.3f}; step accuracy "
+          f"{before['accuracy_per_step']} -> {after['accuracy_per_step']}; accept length "
+          f"{after['expected_accept_length']:.2f}")
+    assert after["loss"] < before["loss"] - 0.5
+    assert after["accuracy_per_step"][0] > before["accuracy_per_step"][0] + 0.1
+    assert after["expected_accept_length"] > 1.1
+
+
+def test_accept_length_estimate_replays_the_engines_rounds(tiny, trained, engine_drafts):
+    """The trained drafter in the engine accepts, round by round, what the training forward's leading-correct
+    counts say (`replay_rounds`), on the held-out prompts; only a request's last round may differ (the engine also
+    counts drafts past max_new_tokens)."""
+    t = tiny
+    eng, _ = engine_drafts
+    aparams = D.export_params(trained[0], t["kept"], t["cfg"].vocab_size)
+    eng.drafter.aparams = aparams  # weights are arguments of the compiled buckets: same shapes, no recompile
+    reqs = [Request(prompt_ids=p, params=SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+            for p in t["prompts"][64:]]
+    eng.generate(reqs)
+    held, params = t["held"], D.kept_view(aparams, t["kept"])
+    lead = np.concatenate([np.asarray(D.eval_step(params, t["acfg"], TC, Q, t["head"], t["params"]["embed"], held,
+                                                  jnp.arange(s, s + TC.batch), jnp.ones(TC.batch, bool))[1])
+                           for s in range(0, 16, TC.batch)])
+    assert np.all(np.asarray(held["end"]) == PROMPT_LEN + NEW - 1)  # no EOS: the engine's rounds run to the end
+    for i, r in enumerate(reqs):
+        assert r.accept_lengths[:-1] == D.replay_rounds(lead[i: i + 1])[:-1].tolist(), f"request {i}"
+    assert max(a for r in reqs for a in r.accept_lengths) > 2
+
+
+# ---- (d) the checkpoint on disk --------------------------------------------------------------------------------------
+
+
+def digest(path):
+    """{file name: sha256} of the plain files of a folder."""
+    files = (pathlib.Path(path) / n for n in sorted(os.listdir(path)))
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files if f.is_file()}
+
+
+def test_saved_checkpoint_loads_packs_and_unpacks(tiny, trained, tmp_path, monkeypatch):
+    t = tiny
+    cfg, acfg = t["cfg"], t["acfg"]
+    aparams = D.export_params(trained[0], t["kept"], cfg.vocab_size)
+    hf = str(tmp_path / "hf")
+    packed.save_assistant(hf, D.assistant_hf_config(cfg, **SIZES), acfg, aparams)
+    acfg2, loaded = load_assistant(hf, "fp32")
+    assert acfg2 == acfg
+    jax.tree.map(np.testing.assert_array_equal, loaded, aparams)  # every weight bit-exact: the same drafts
+    zero = np.ones(cfg.vocab_size, bool)
+    zero[t["kept"]] = False
+    assert not np.any(np.asarray(loaded["embed"])[zero])
+    assert np.all(np.any(np.asarray(loaded["embed"])[t["kept"]] != 0, axis=1))
+    # pack (small files, to exercise tensor splitting) -> unpack: byte-identical folder
+    monkeypatch.setattr(packed, "MAX_FILE_BYTES", packed.HEADER_RESERVE + 20_000)
+    files = packed.pack_assistant(hf, str(tmp_path / "packed"))
+    sizes = [os.path.getsize(tmp_path / "packed" / f) for f in files]
+    assert len(files) > 3 and max(sizes) <= packed.MAX_FILE_BYTES
+    assert sum(sizes) < os.path.getsize(os.path.join(hf, "model.safetensors"))  # no zero rows stored
+    packed.unpack_assistant(str(tmp_path / "packed"), str(tmp_path / "hf2"))
+    assert digest(hf) == digest(str(tmp_path / "hf2"))
+
+
+# ---- (e) the CLI -------------------------------------------------------------------------------------------------
+
+
+def write_prompts(tiny, path):
+    rows = [{"prompt_ids": p, "split": "train" if i < 64 else "heldout"} for i, p in enumerate(tiny["prompts"])]
+    corpus.write_prompt_ids(path, rows)
+
+
+def test_cli_end_to_end_and_resume(tiny, trained, tmp_path, capsys):
+    """The same data and hyperparameters as the fixtures (compiled programs are reused): a full run writes the HF
+    folder, distill.json and the packed form; a second run resumes from the final checkpoint and writes the same;
+    a run with other sizes refuses that checkpoint."""
+    prompts = str(tmp_path / "prompts.jsonl")
+    write_prompts(tiny, prompts)
+    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
+    argv = ["--model", TARGET, "--out", out, "--prompts", prompts, "--ckpt-dir", ckpt, "--ckpt-every", "50",
+            *CLI_ARGS]
+    assert D.main(argv) == 0
+    report = json.load(open(os.path.join(out, "distill.json")))
+    assert report["data"]["train_prompts"] == 64 and report["data"]["heldout_prompts"] == 16
+    assert report["vocab"]["kept"] == KEEP and report["train"]["resumed_from_step"] == 0
+    held = report["final"]["heldout"]
+    assert len(held["accuracy_per_step"]) == K and held["accuracy_per_step"][0] > 0.1
+    assert report["final"]["expected_accept_length_heldout"] == held["expected_accept_length"] > 1.0
+    acfg, aparams = load_assistant(out, "fp32")
+    assert acfg == tiny["acfg"]
+    np.testing.assert_array_equal(aparams["embed"], D.export_params(trained[0], tiny["kept"], acfg.vocab_size)["embed"])
+    first = digest(out)
+    packed.unpack_assistant(os.path.join(out, "packed"), str(tmp_path / "unpacked"))
+    assert digest(str(tmp_path / "unpacked")) == first
+    assert D.main(argv) == 0
+    assert json.load(open(os.path.join(out, "distill.json")))["train"]["resumed_from_step"] == TC.steps
+    assert digest(out)["model.safetensors"] == first["model.safetensors"]
+    capsys.readouterr()
+    assert D.main(argv + ["--assistant-hidden", "16"]) == 2  # another run's checkpoint: one line, exit 2
+    assert "does not match this run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad,message", [
+    (["--keep-vocab", "0"], "--keep-vocab must be >= 1"),
+    (["--new-tokens", "3"], "needs >= k + 1"),
+    ("not json", "not JSON"),
+    ('{"prompt_ids": [1, 99999]}', "outside the vocabulary"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, bad, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text((bad if isinstance(bad, str) else '{"prompt_ids": [2, 5, 7]}') + "\n" +
+                       '{"prompt_ids": [2, 9, 9, 4]}\n')
+    argv = ["--model", TARGET, "--out", str(tmp_path / "o"), "--prompts", str(prompts), "--keep-vocab", "64",
+            "--quiet"]
+    assert D.main(argv + (bad if isinstance(bad, list) else [])) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and "\n" not in err
+
+
+# ---- the corpus ----------------------------------------------------------------------------------------------------
+
+
+class CharTokenizer:
+    bos_token_id = 2
+
+    def encode(self, text, add_special_tokens=False):
+        return [3 + ord(c) % 200 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i - 3) if i >= 3 else "" for i in ids)
+
+
+def test_corpus_prompts_split_by_topic(tmp_path):
+    topics = corpus.pydoc_topics()
+    assert len(topics) > 50
+    some = {n: topics[n][:400] for n in sorted(topics)[:30]}
+    rows = corpus.cut_prompts(CharTokenizer(), some, 16, 8)
+    assert all(len(r["prompt_ids"]) == 16 and r["prompt_ids"][0] == 2 for r in rows)
+    held = {r["topic"] for r in rows if r["split"] == "heldout"}
+    assert held == corpus.heldout_topics(some) and len(held) == 3
+    assert not held & {r["topic"] for r in rows if r["split"] == "train"}
+    path = str(tmp_path / "p.jsonl")
+    corpus.write_prompt_ids(path, rows)
+    train, heldout = corpus.split_rows(corpus.read_prompt_ids(path))
+    assert len(train) + len(heldout) == len(rows) and len(heldout) == sum(r["split"] == "heldout" for r in rows)
+    n = corpus.write_heldout_text(str(tmp_path / "h.txt"), CharTokenizer(), rows)
+    lines = open(tmp_path / "h.txt").read().splitlines()
+    assert len(lines) == n > 0.9 * len(heldout) and all(line and line == " ".join(line.split()) for line in lines)

@@ -102,3 +102,22 @@ def test_e2e_profile_then_trace_summary(tmp_path):
         (tmp_path / "empty").mkdir()
         run(tmp_path, "trace", str(tmp_path / "empty"))
     assert e.value.code == 2
+
+
+def test_e2e_with_checkpoint_folders(tmp_path):
+    """`e2e --model/--assistant/--prompts` (the path of BENCHMARKS.md's default-pair rows): a checkpoint pair from
+    folders, prompts from a prompt_ids file, exactly --new-tokens per request in both modes; bad input exits 2."""
+    from conftest import golden_path, load_reference
+
+    ref = load_reference("e2b")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": ref[f"greedy_prompt_{i}"][0].tolist()}) + "\n"
+                               for i in range(2)))
+    r = run(tmp_path, "e2e", "--model", golden_path("e2b", "target"), "--assistant", golden_path("e2b", "assistant"),
+            "--prompts", str(prompts), "--bs", "2", "--modes", "off,bucketed", "--new-tokens", "8", "--chunk", "8",
+            "--page-size", "4", "--dtype", "fp32")
+    assert r["model"] == "target" and [(e["bs"], e["mode"]) for e in r["rows"]] == [(2, "off"), (2, "bucketed")]
+    assert all(e["generated_tokens"] == 16 for e in r["rows"])
+    with pytest.raises(SystemExit) as e:  # --model without --prompts: one line, exit 2
+        run(tmp_path, "e2e", "--model", golden_path("e2b", "target"))
+    assert e.value.code == 2

@@ -56,4 +56,27 @@ distill)  # issue #7: convert the GGUF (at $GGUF), distill the drafter, pack it 
   timeout 200 python3 -m jaxspec.bench e2e --model /root/g270 --assistant /root/asst --prompts .dist/heldout.jsonl \
     --bs 1,8 --modes off,bucketed --new-tokens 128 --json "$OUT/e2e-270m.json" > "$OUT/e2e-270m.log" 2>&1
   tail -5 "$OUT/distill.log"; grep -A5 "^bs  \|^ *bs  " "$OUT/e2e-270m.log" ;;
+diag0)  # the verify step: its thunk sequence (one command buffer or not), a profile, and XLA flag variants
+  rm -rf /tmp/dump
+  XLA_FLAGS="--xla_dump_to=/tmp/dump --xla_dump_hlo_module_re=.*paged_decode_step.* \
+--xla_enable_command_buffers_during_profiling=true" timeout 200 python3 -m jaxspec.bench verify --bs 1 --iters 30 \
+    --profile-dir /tmp/pv --json "$OUT/diag-verify.json" > "$OUT/diag0.log" 2>&1
+  for f in /tmp/dump/*paged_decode_step*thunk_sequence_after_thunk_passes.txt; do echo "== $f"; head -3 "$f"
+    echo "top-level thunks:"; grep '^[0-9]' "$f" | awk '{print $2}' | sort | uniq -c; done >> "$OUT/diag0.log" 2>&1
+  timeout 60 python3 -m jaxspec.bench trace /tmp/pv --rounds 20 --top 30 --json "$OUT/diag-verify-trace.json" \
+    >> "$OUT/diag0.log" 2>&1
+  for flags in --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_command_buffer= ${DIAG_FLAGS:-}; do
+    echo "== XLA_FLAGS=$flags" >> "$OUT/diag0.log"
+    XLA_FLAGS=$flags timeout 150 python3 -m jaxspec.bench verify --bs 1 --iters 30 --json /tmp/v.json 2>&1 \
+      | grep "^step of" >> "$OUT/diag0.log"; done
+  grep -A34 "^top\|^top-level\|^step of\|^== XLA" "$OUT/diag0.log" | head -120 ;;
+diag1)  # the draft bucket's kernels at bs 1 / 4K, and the bf16 drafter tests with and without excess precision
+  XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout 200 python3 -m jaxspec.bench propose --bs 1 \
+    --ctx 4096 --iters 50 --eager-iters 1 --profile-dir /tmp/pp --json "$OUT/diag-propose.json" > "$OUT/diag1.log" 2>&1
+  timeout 60 python3 -m jaxspec.bench trace /tmp/pp --rounds 20 --top 40 --json "$OUT/diag-propose-trace.json" \
+    >> "$OUT/diag1.log" 2>&1
+  for flags in "" --xla_allow_excess_precision=false; do echo "== XLA_FLAGS=$flags" >> "$OUT/diag1.log"
+    XLA_FLAGS=$flags timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_drafter.py -k bf16 2>&1 \
+      | grep -E "^bf16|Error|passed|failed" >> "$OUT/diag1.log"; done
+  grep -A44 "^top\|^propose ctx\|^== XLA\|^bf16\|passed\|failed" "$OUT/diag1.log" | head -120 ;;
 esac

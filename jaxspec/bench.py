@@ -84,6 +84,20 @@ def median_us(call, iters: int, num_sets: int = NUM_SETS) -> float:
     return float(np.median(times)) * 1e6
 
 
+def profile_calls(args, call, label: str, calls: int = 20) -> None:
+    """With --profile-dir: record `calls` more calls of the first figure asked for into a profiler trace (once per
+    run; summarise with `python -m jaxspec.bench trace DIR --rounds {calls}`)."""
+    if not getattr(args, "profile_dir", None) or getattr(args, "profiled", None):
+        return
+    jax.block_until_ready(call(0))
+    jax.profiler.start_trace(args.profile_dir)
+    for n in range(calls):
+        jax.block_until_ready(call(n % NUM_SETS))
+    jax.profiler.stop_trace()
+    args.profiled = label
+    print(f"profiled {calls} calls of {label} into {args.profile_dir}")
+
+
 @jax.jit
 def dispatch_floor(*args):
     """The cheapest call on a figure's own arguments: the dispatch + sync cost that every figure of its row includes
@@ -343,6 +357,8 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
         row = {"ctx": ctx, "bs": bs, "k": args.k, "no_cmd_buffer_us": None, "memory": note}
         for name, call in calls.items():
             row[f"{name}_us"] = median_us(call, eager_iters if name == "eager" else args.iters)
+            if name == "bucketed":
+                profile_calls(args, call, f"propose bs {bs} ctx {ctx}")
         same = np.asarray(calls["bucketed"](0)[0]) == calls["eager"](0)[0]
         row["same_drafts"] = float(np.mean(np.all(same, axis=1)))
         row["eager/bucketed"] = row["eager_us"] / row["bucketed_us"]
@@ -477,6 +493,8 @@ def run_decode(args) -> dict:
                 else:
                     call, leaves, note = paged_decode(unstacked, cfg, bs, ctx, tokens, args)
                 step_us = median_us(call, args.iters)
+                if mode == "paged":
+                    profile_calls(args, call, f"paged step of {T} position(s), bs {bs} ctx {ctx}")
                 bound_us = need["total"] / args.hbm_bw * 1e6
                 rows.append({"cache": mode, "bs": bs, "ctx": ctx, "positions": T, "step_ms": step_us / 1e3,
                              "tokens_per_s": bs / step_us * 1e6, "bound_ms": bound_us / 1e3,
@@ -529,9 +547,6 @@ def e2e_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", help="with --model: a .jsonl of prompt_ids; row i of a batch takes prompt i (cycled)")
     p.add_argument("--stop-at-eos", action="store_true", help="stop requests at EOS (default: exactly --new-tokens)")
     p.add_argument("--dtype", default="bf16", help="bf16 (default) or fp32 (e.g. for CPU figures)")
-    p.add_argument("--profile-dir", help="write a jax profiler trace of the first bs's bucketed run here (summarise "
-                   "it with `python -m jaxspec.bench trace DIR`; set XLA_FLAGS=--xla_enable_command_buffers_during_"
-                   "profiling=true to keep the CUDA graphs as production runs them)")
 
 
 def e2e_pair(args):
@@ -638,16 +653,19 @@ def run_trace(args) -> dict:
         print("note: no XLA module line in the trace: figures are totals (pass --rounds N for per-round)")
         rounds = 1
     total = sum(t for _, t in kernels.values()) or 1.0
+    launches = sum(n for n, _ in kernels.values()) / rounds
     krows = [{"kernel": name[:90], "calls": n, "us_per_round": t / rounds, "share": t / total}
              for name, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:args.top]]
     mrows = [{"module": name[:90], "calls": n, "us_per_round": t / rounds}
              for name, (n, t) in sorted(modules.items(), key=lambda kv: -kv[1][1])]
     print_table(f"XLA modules of {files[-1]} ({rounds} rounds)",
                 [("module", "module", "{}"), ("calls", "calls", "{}"), ("us_per_round", "us/round", "{:.1f}")], mrows)
-    print_table(f"top {args.top} device kernels (all kernels: {total / rounds:.1f} us/round)",
+    print_table(f"top {args.top} device kernels (all kernels: {total / rounds:.1f} us/round in {launches:.0f} "
+                f"launches/round)",
                 [("kernel", "kernel", "{}"), ("calls", "calls", "{}"), ("us_per_round", "us/round", "{:.1f}"),
                  ("share", "share", "{:.1%}")], krows)
-    return {"trace": files[-1], "rounds": rounds, "kernel_us_per_round": total / rounds, "modules": mrows,
+    return {"trace": files[-1], "rounds": rounds, "kernel_us_per_round": total / rounds,
+            "kernel_launches_per_round": launches, "modules": mrows,
             "kernels": krows}
 
 
@@ -724,6 +742,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", help="where to write the results (default bench/results/<subcommand>-<time>.json)")
     common.add_argument("--seed", type=int, default=0)
     common.add_argument("--page-size", type=positive, default=16)
+    common.add_argument("--profile-dir", help="write a jax profiler trace here: propose / decode / verify trace 20 "
+                        "calls of the first bucketed or paged figure (`python -m jaxspec.bench trace DIR --rounds "
+                        "20`), e2e the first bs's bucketed run (`... trace DIR`); set XLA_FLAGS=--xla_enable_command_"
+                        "buffers_during_profiling=true to keep the CUDA graphs as production runs them")
     common.add_argument("--hbm-bw", type=float, default=HBM_BYTES_PER_S, help="HBM bytes/s of the bound")
     parser = argparse.ArgumentParser(prog="python -m jaxspec.bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="subcommand", required=True)

@@ -295,11 +295,13 @@ def test_bf16_drafts_follow_the_seed_rule(head):
     attend = draft_attend(cfg, acfg.text.layer_types, meta, use_kernels=False)
     tok, h = jnp.asarray(pending), table[rows]
     differ = swaps = 0
-    eager_traj = []
+    eager_traj, h_gap = [], []
     for step in range(k):
-        got, _ = one_step.propose(pt, cl, np.asarray(tok), jnp.concatenate([h, h[:1]]), rows)
+        got, h_got = one_step.propose(pt, cl, np.asarray(tok), jnp.concatenate([h, h[:1]]), rows)
         hn, h = assistant_mod.draft_hidden(aparams, acfg, params["embed"], tok, h, jnp.asarray(cl), attend,
                                            cache.arrays)
+        h32 = np.asarray(h, np.float32)
+        h_gap.append(float(np.max(np.abs(h_got.astype(np.float32) - h32)) / np.max(np.abs(h32))))
         logits = np.asarray(assistant_mod.full_logits(aparams, acfg, hn), np.float32)
         tok = assistant_mod.draft_token(aparams, acfg, hn)
         eager_ids = np.asarray(tok)
@@ -318,7 +320,8 @@ def test_bf16_drafts_follow_the_seed_rule(head):
     traj, _ = full.propose(pt, cl, pending, table, rows)
     traj_differ = int(np.sum(np.any(traj != np.stack(eager_traj, 1), axis=1)))
     print(f"bf16 {head}: {differ} of {B * k} step ids differ on identical inputs ({swaps} by a centroid swap, the "
-          f"rest within the seed's rule); {traj_differ} of {B} k={k} trajectories differ somewhere")
+          f"rest within the seed's rule); {traj_differ} of {B} k={k} trajectories differ somewhere; max |h_next "
+          f"bucketed - eager| / max |h_next| per step: {', '.join(f'{g:.2e}' for g in h_gap)}")
     assert swaps <= 0.02 * B * k and traj_differ <= B // 4
 
 

@@ -337,3 +337,15 @@ def test_lowered_program_holds_no_large_constants(pair):
     assert consts and max(sizes) < 10_000, max(sizes)
     leaves = len(jax.tree.leaves(aparams)) + 1  # + the target embedding
     assert leaves <= 32
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 64), (9, 2048)])
+def test_top_k_ids_equals_lax_top_k(shape):
+    """The centroid head's top-k by ranking returns lax.top_k's indices exactly (order and ties: lower index
+    first); (9, 2048) is past RANK_TOP_K_MAX and takes lax.top_k itself. Values drawn from a few levels force ties."""
+    rng = np.random.default_rng(shape[1])
+    for x in (rng.standard_normal(shape), rng.integers(0, 5, shape)):
+        x = jnp.asarray(x, jnp.float32)
+        got = np.asarray(jax.jit(assistant_mod.top_k_ids, static_argnums=1)(x, 32))
+        np.testing.assert_array_equal(got, np.asarray(jax.lax.top_k(x, 32)[1]))
+    assert (shape[0] * shape[1] ** 2 > assistant_mod.RANK_TOP_K_MAX) == (shape[0] == 9)  # both paths exercised

@@ -194,14 +194,15 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
     def lower(fn, *args):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
-    for B, tq, kvh, g, d, width in [(4, 8, 1, 16, 512, 4096), (8, 1, 2, 4, 256, 1056), (2, 4, 2, 2, 16, 64)]:
+    for B, tq, kvh, g, d, width, splits in [(4, 8, 1, 16, 512, 4096, None), (8, 1, 2, 4, 256, 1056, None),
+                                            (2, 4, 2, 2, 16, 64, None), (1, 4, 2, 4, 256, 640, 1)]:
         dtype = jnp.float32 if d == 16 else jnp.bfloat16
         text = lower(
-            lambda *a: paged_attention(*a, interpret=False),
+            lambda *a, splits=splits: paged_attention(*a, num_splits=splits, interpret=False),
             spec((B, tq, kvh * g, d), dtype), spec((4096, kvh, d), dtype), spec((4096, kvh, d), dtype),
             spec((B, width), jnp.int32), spec((B,), jnp.int32), spec((B, tq), jnp.int32), spec((B, tq), jnp.int32),
         )
-        assert "__gpu$xla.gpu.triton" in text
+        assert text.count("__gpu$xla.gpu.triton") == (1 if splits == 1 else 2)  # attention (+ the split merge)
     for swa in (None, spec((4096,), jnp.int32)):
         text = lower(
             lambda t, s, e, m: gather_kv_indices(t, s, e, m, width=131072, page_size=16, interpret=False),

@@ -22,6 +22,12 @@ from jaxspec.paged_kv.cache import CacheSpec, PagedKVCache, draft_attend, draft_
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
+# XLA may keep bf16 intermediates in fp32 inside a fusion ("excess precision"); the eager reference runs op by op and
+# rounds every op's output to bf16. On the H200 that difference alone moved bf16 drafts beyond the seed's rule
+# (tests/test_drafter.py::test_bf16_drafts_follow_the_seed_rule); without it the two paths gave identical bf16 drafts.
+# So the buckets round where the model function says to round, exactly like the reference.
+DRAFT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
 
 def _draft_program(cfg: TargetConfig, acfg: AssistantConfig, spec: CacheSpec, k: int, use_kernels: bool):
     types = acfg.text.layer_types
@@ -53,7 +59,8 @@ class BucketedDrafter:
         self.buckets = buckets
         self.seed_slots = seed_slots or buckets[-1] + 1
         self.use_kernels = use_kernels
-        self.compiler_options = compiler_options  # e.g. {"xla_gpu_enable_command_buffer": ""} to measure the graphs
+        # e.g. {"xla_gpu_enable_command_buffer": ""} to measure what the graphs buy; on top of DRAFT_COMPILER_OPTIONS
+        self.compiler_options = {**DRAFT_COMPILER_OPTIONS, **(compiler_options or {})}
         self.cache: PagedKVCache | None = None
         self.executables: dict[int, object] = {}
         self.compiles = 0  # how many times the buckets were (re)built: attach + each rebuild

@@ -6,8 +6,9 @@ Layout: the Tq queries and the G query heads of one kv head are folded into the 
 r = t * G + g), so a program reads each K/V row once for all of them. Each batch row's live key range
 `[first, last)`, the keys that some query may see, is cut into `num_splits` pieces whose size follows the row's live
 length; program (b, kv_head, row_block, split) walks its piece in blocks of `block_k` keys with a dynamic loop bound,
-so the work scales with live keys, never with `width`. It keeps a running max / sum / accumulator in fp32, and a
-small jnp epilogue merges the splits by log-sum-exp.
+so the work scales with live keys, never with `width`. It keeps a running max / sum / accumulator in fp32. With one
+split the program normalises and writes the output itself; with several, a second small kernel (one program per
+query block) merges the splits by log-sum-exp — two launches per call, where a jnp epilogue took four or five.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def _next_pow2(n: int) -> int:
 
 
 def _attention_kernel(span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, k_ref, v_ref,
-                      o_ref, m_ref, l_ref, *, scale: float, block_k: int, num_splits: int, layer: int | None):
-    """Program (b, h, row_block, split): unnormalised attention of one query block over one piece of live keys.
+                      o_ref, *ml_refs, scale: float, block_k: int, num_splits: int, layer: int | None):
+    """Program (b, h, row_block, split): unnormalised attention of one query block over one piece of live keys
+    (num_splits == 1: the normalised output, in o_ref's dtype; a row that saw no key gets 0).
 
     span_ref: int32[B, 2] live key range [first, last) per row (indices into kv_indices)
     row_lo_ref, row_hi_ref: int32[block_q] absolute position range each query row may see
@@ -92,9 +94,33 @@ def _attention_kernel(span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi
         jnp.zeros((block_q,), jnp.float32),
     )
     acc, m, l = lax.fori_loop(0, num_blocks, body, init)
+    if not ml_refs:
+        o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+        return
+    m_ref, l_ref = ml_refs
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
+
+
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, num_splits: int):
+    """Program (b, h, row_block): log-sum-exp merge of the splits' partials. A split that saw no key has m = -inf
+    and weight 0; a row that no split saw comes out as 0.
+
+    o_ref: fp32[S, block_q, D]; m_ref, l_ref: fp32[S, block_q]; out_ref: [block_q, D] in the output dtype.
+    """
+    m_all = jnp.max(m_ref[...], axis=0)  # [block_q]
+    m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+
+    def body(s, carry):
+        acc, denom = carry
+        w = jnp.exp(m_ref[s, :] - m_safe)  # [block_q]
+        return acc + w[:, None] * o_ref[s, :, :], denom + w * l_ref[s, :]
+
+    block_q, head_dim = out_ref.shape
+    acc, denom = lax.fori_loop(0, num_splits, body, (jnp.zeros((block_q, head_dim), jnp.float32),
+                                                      jnp.zeros((block_q,), jnp.float32)))
+    out_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(out_ref.dtype)
 
 
 def _live_span(kv_start, q_lo, q_hi, width: int):
@@ -125,8 +151,9 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     Only entries i in [min_t q_lo - kv_start, max_t q_hi - kv_start] (clipped to the width) are read, and of those
     only the ones some query may see are dereferenced.
     block_k: keys per step (power of two >= 16); block_q: query rows per program (power of two >= 16; Tq * G rows
-    are split over ceil(Tq * G / block_q) programs, each re-reading the keys); num_splits: pieces of the live range
-    (default: enough programs to fill the GPU at small batch, ~264 in all, at most 64 per row).
+    are split over ceil(Tq * G / block_q) programs, each re-reading the keys); num_splits: pieces of the live range,
+    rounded up to a power of two (default: enough programs to fill the GPU at small batch, ~264 in all, at most 64
+    per row); 1 normalises in the one kernel, more add a merge kernel.
     interpret: None runs the interpreter on CPU backends and compiles with Triton elsewhere.
     Returns [B, Tq, NH, D] in q.dtype.
     """
@@ -155,6 +182,7 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     if num_splits is None:  # about two programs per SM of an H200 (132), at most 64 pieces per row; the CPU
         # interpreter runs programs one after another, so there a couple of pieces is fastest
         num_splits = 2 if interpret else max(1, min(64, _next_pow2(max(1, 264 // (B * KVH * row_blocks)))))
+    num_splits = _next_pow2(num_splits)  # the merge kernel holds the splits in one power-of-two block
     padded_rows = row_blocks * block_q
 
     # Rows r = t * G + g; padding rows see no key (lo > hi) and come out as 0.
@@ -172,38 +200,59 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
         return pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))
 
     rows_spec = pl.BlockSpec((None, block_q), lambda b, h, r, s: (b, r))
-    o, m, l = pl.pallas_call(
-        kernel,
-        grid=(B, KVH, row_blocks, num_splits),
-        in_specs=[
-            whole(span.shape),
-            whole(kv_start.shape),
-            whole(kv_indices.shape),
-            rows_spec,
-            rows_spec,
-            pl.BlockSpec((None, None, block_q, D), lambda b, h, r, s: (b, h, r, 0)),
-            whole(k_cache.shape),
-            whole(v_cache.shape),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, block_q, D), lambda b, h, r, s: (b, h, s, r, 0)),
-            pl.BlockSpec((None, None, None, block_q), lambda b, h, r, s: (b, h, s, r)),
-            pl.BlockSpec((None, None, None, block_q), lambda b, h, r, s: (b, h, s, r)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows, D), jnp.float32),
-            jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows), jnp.float32),
-            jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows), jnp.float32),
-        ],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="paged_attention",
-    )(span, kv_start.astype(jnp.int32), kv_indices.astype(jnp.int32), row_lo, row_hi, q_rows, k_cache, v_cache)
+    in_specs = [
+        whole(span.shape),
+        whole(kv_start.shape),
+        whole(kv_indices.shape),
+        rows_spec,
+        rows_spec,
+        pl.BlockSpec((None, None, block_q, D), lambda b, h, r, s: (b, h, r, 0)),
+        whole(k_cache.shape),
+        whole(v_cache.shape),
+    ]
+    args = (span, kv_start.astype(jnp.int32), kv_indices.astype(jnp.int32), row_lo, row_hi, q_rows, k_cache, v_cache)
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    if num_splits == 1:  # the program normalises: no partials, no merge
+        out = pl.pallas_call(
+            kernel,
+            grid=(B, KVH, row_blocks, 1),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, None, block_q, D), lambda b, h, r, s: (b, h, r, 0)),
+            out_shape=jax.ShapeDtypeStruct((B, KVH, padded_rows, D), q.dtype),
+            compiler_params=params,
+            interpret=interpret,
+            name="paged_attention",
+        )(*args)
+    else:
+        o, m, l = pl.pallas_call(
+            kernel,
+            grid=(B, KVH, row_blocks, num_splits),
+            in_specs=in_specs,
+            out_specs=[
+                pl.BlockSpec((None, None, None, block_q, D), lambda b, h, r, s: (b, h, s, r, 0)),
+                pl.BlockSpec((None, None, None, block_q), lambda b, h, r, s: (b, h, s, r)),
+                pl.BlockSpec((None, None, None, block_q), lambda b, h, r, s: (b, h, s, r)),
+            ],
+            out_shape=[
+                jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows, D), jnp.float32),
+                jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows), jnp.float32),
+                jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows), jnp.float32),
+            ],
+            compiler_params=params,
+            interpret=interpret,
+            name="paged_attention",
+        )(*args)
+        split_rows = pl.BlockSpec((None, None, num_splits, block_q), lambda b, h, r: (b, h, 0, r))
+        out = pl.pallas_call(
+            functools.partial(_merge_kernel, num_splits=num_splits),
+            grid=(B, KVH, row_blocks),
+            in_specs=[pl.BlockSpec((None, None, num_splits, block_q, D), lambda b, h, r: (b, h, 0, r, 0)),
+                      split_rows, split_rows],
+            out_specs=pl.BlockSpec((None, None, block_q, D), lambda b, h, r: (b, h, r, 0)),
+            out_shape=jax.ShapeDtypeStruct((B, KVH, padded_rows, D), q.dtype),
+            compiler_params=pltriton.CompilerParams(num_warps=4 if D <= 256 else 8, num_stages=1),
+            interpret=interpret,
+            name="paged_attention_merge",
+        )(o, m, l)
 
-    # Merge the splits: a split that saw no key has m = -inf and weight 0.
-    m_all = jnp.max(m, axis=2, keepdims=True)
-    weight = jnp.exp(m - jnp.where(m_all == -jnp.inf, 0.0, m_all))  # [B, KVH, S, R]
-    denom = jnp.sum(weight * l, axis=2)  # [B, KVH, R]
-    out = jnp.sum(weight[..., None] * o, axis=2) / jnp.where(denom > 0, denom, 1.0)[..., None]
-    out = out[:, :, :rows].reshape(B, KVH, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, NH, D)
-    return out.astype(q.dtype)
+    return out[:, :, :rows].reshape(B, KVH, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, NH, D)

@@ -3,6 +3,8 @@
 # Each part fits one device call (10 minutes). On a two-GPU machine two parts run side by side:
 #   (CUDA_VISIBLE_DEVICES=0 bash bench/h200.sh e2e0 &); CUDA_VISIBLE_DEVICES=1 bash bench/h200.sh e2e1; wait
 # (e2e1 runs bench/peers/run_peers.sh: carry .whl). Compiles are shared within a part through the persistent cache.
+# The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
+#   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache-${1:-bench} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
@@ -79,4 +81,22 @@ diag1)  # the draft bucket's kernels at bs 1 / 4K, and the bf16 drafter tests wi
     XLA_FLAGS=$flags timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_drafter.py -k bf16 2>&1 \
       | grep -E "^bf16|Error|passed|failed" >> "$OUT/diag1.log"; done
   grep -A44 "^top\|^propose ctx\|^== XLA\|^bf16\|passed\|failed" "$OUT/diag1.log" | head -120 ;;
+lane-tests)  # GPU tests of the kernels and the drafter (Triton kernels compiled for the H200)
+  timeout ${LANE_TIMEOUT:-500} python3 -m pytest -q -p no:cacheprovider -s tests/test_kernels.py tests/test_drafter.py \
+    > "$OUT/tests-drafter.txt" 2>&1
+  grep -E "^bf16|passed|failed" "$OUT/tests-drafter.txt" ;;
+lane-propose)  # issue #4's table: propose at bs 1..64, 4K then 32K (rows saved per context)
+  timeout ${LANE_TIMEOUT:-560} python3 -m jaxspec.bench propose --bs 1,4,16,64 --ctx 4096,32768 --eager-iters 3 \
+    --json "$OUT/propose.json" > "$OUT/propose.log" 2>&1
+  grep "^propose ctx" "$OUT/propose.log" ;;
+lane-e2e1k)  # bs 1 at 1K, all three modes, then the verify step at bs 1 and 16
+  timeout 330 python3 -m jaxspec.bench e2e --bs 1 --prompt-len 1024 --json "$OUT/e2e-1k-bs1.json" \
+    > "$OUT/e2e-1k-bs1.log" 2>&1
+  timeout ${LANE_TIMEOUT:-230} python3 -m jaxspec.bench verify --bs 1,16 --json "$OUT/verify.json" \
+    > "$OUT/verify.log" 2>&1
+  grep "^e2e bs\|^step of" "$OUT/e2e-1k-bs1.log" "$OUT/verify.log" ;;
+lane-e2e4k)  # bs 1 at 4K: plain and bucketed
+  timeout ${LANE_TIMEOUT:-560} python3 -m jaxspec.bench e2e --bs 1 --modes off,bucketed --prompt-len 4096 \
+    --json "$OUT/e2e-4k-bs1.json" > "$OUT/e2e-4k-bs1.log" 2>&1
+  grep "^e2e bs" "$OUT/e2e-4k-bs1.log" ;;
 esac

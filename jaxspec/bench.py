@@ -380,6 +380,7 @@ def run_propose(args) -> dict:
     rows = []
     for ctx in args.ctx:
         rows += propose_rows(args, (cfg, acfg, aparams, target_embed), ctx, num_requests, eager_iters, rng)
+        args.write_partial({"preset": args.preset, "eager_iters": eager_iters, "rows": rows})
         gc.collect()  # the cache and its drafters reference each other (rebuild callbacks): free the K/V now
     print_table(f"propose, k={args.k}: drafter of {args.preset} (hidden {acfg.hidden_size}, "
                 f"{acfg.text.num_layers} layers, {acfg.num_centroids} centroids top-{acfg.centroid_top_k}), "

@@ -103,23 +103,18 @@ def _attention_kernel(span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi
     l_ref[...] = l
 
 
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, num_splits: int):
-    """Program (b, h, row_block): log-sum-exp merge of the splits' partials. A split that saw no key has m = -inf
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
+    """Program (b, h, row_block, d_block): log-sum-exp merge of the splits' partials, all splits at once in registers
+    (no loop: a loop over splits would pay one global-load latency per split). A split that saw no key has m = -inf
     and weight 0; a row that no split saw comes out as 0.
 
-    o_ref: fp32[S, block_q, D]; m_ref, l_ref: fp32[S, block_q]; out_ref: [block_q, D] in the output dtype.
+    o_ref: fp32[S, block_q, block_d]; m_ref, l_ref: fp32[S, block_q]; out_ref: [block_q, block_d] in the output dtype.
     """
-    m_all = jnp.max(m_ref[...], axis=0)  # [block_q]
-    m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-
-    def body(s, carry):
-        acc, denom = carry
-        w = jnp.exp(m_ref[s, :] - m_safe)  # [block_q]
-        return acc + w[:, None] * o_ref[s, :, :], denom + w * l_ref[s, :]
-
-    block_q, head_dim = out_ref.shape
-    acc, denom = lax.fori_loop(0, num_splits, body, (jnp.zeros((block_q, head_dim), jnp.float32),
-                                                      jnp.zeros((block_q,), jnp.float32)))
+    m = m_ref[...]
+    m_all = jnp.max(m, axis=0, keepdims=True)  # [1, block_q]
+    w = jnp.exp(m - jnp.where(m_all == -jnp.inf, 0.0, m_all))  # [S, block_q]
+    denom = jnp.sum(w * l_ref[...], axis=0)  # [block_q]
+    acc = jnp.sum(w[:, :, None] * o_ref[...], axis=0)  # [block_q, block_d]
     out_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(out_ref.dtype)
 
 
@@ -179,9 +174,11 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     row_blocks = pl.cdiv(rows, block_q)
-    if num_splits is None:  # about two programs per SM of an H200 (132), at most 64 pieces per row; the CPU
-        # interpreter runs programs one after another, so there a couple of pieces is fastest
-        num_splits = 2 if interpret else max(1, min(64, _next_pow2(max(1, 264 // (B * KVH * row_blocks)))))
+    if num_splits is None:  # about two programs per SM of an H200 (132), at most 64 pieces per row and no more
+        # than the width has blocks of keys (a sliding window's table is narrow); the CPU interpreter runs programs
+        # one after another, so there a couple of pieces is fastest
+        num_splits = 2 if interpret else max(1, min(64, _next_pow2(max(1, 264 // (B * KVH * row_blocks))),
+                                                    _next_pow2(pl.cdiv(width, block_k))))
     num_splits = _next_pow2(num_splits)  # the merge kernel holds the splits in one power-of-two block
     padded_rows = row_blocks * block_q
 
@@ -242,15 +239,17 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
             interpret=interpret,
             name="paged_attention",
         )(*args)
-        split_rows = pl.BlockSpec((None, None, num_splits, block_q), lambda b, h, r: (b, h, 0, r))
+        # block_d: all splits of a [block_q, block_d] tile in at most 16K fp32 registers' worth
+        block_d = max(1, min(D, 16384 // (num_splits * block_q)))
+        split_rows = pl.BlockSpec((None, None, num_splits, block_q), lambda b, h, r, d: (b, h, 0, r))
         out = pl.pallas_call(
-            functools.partial(_merge_kernel, num_splits=num_splits),
-            grid=(B, KVH, row_blocks),
-            in_specs=[pl.BlockSpec((None, None, num_splits, block_q, D), lambda b, h, r: (b, h, 0, r, 0)),
+            _merge_kernel,
+            grid=(B, KVH, row_blocks, D // block_d),
+            in_specs=[pl.BlockSpec((None, None, num_splits, block_q, block_d), lambda b, h, r, d: (b, h, 0, r, d)),
                       split_rows, split_rows],
-            out_specs=pl.BlockSpec((None, None, block_q, D), lambda b, h, r: (b, h, r, 0)),
+            out_specs=pl.BlockSpec((None, None, block_q, block_d), lambda b, h, r, d: (b, h, r, d)),
             out_shape=jax.ShapeDtypeStruct((B, KVH, padded_rows, D), q.dtype),
-            compiler_params=pltriton.CompilerParams(num_warps=4 if D <= 256 else 8, num_stages=1),
+            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
             interpret=interpret,
             name="paged_attention_merge",
         )(o, m, l)

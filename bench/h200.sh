@@ -86,9 +86,12 @@ lane-tests)  # GPU tests of the kernels and the drafter (Triton kernels compiled
     > "$OUT/tests-drafter.txt" 2>&1
   grep -E "^bf16|passed|failed" "$OUT/tests-drafter.txt" ;;
 lane-propose)  # issue #4's table: propose at bs 1..64, 4K then 32K (rows saved per context)
-  timeout ${LANE_TIMEOUT:-560} python3 -m jaxspec.bench propose --bs 1,4,16,64 --ctx 4096,32768 --eager-iters 3 \
-    --json "$OUT/propose.json" > "$OUT/propose.log" 2>&1
-  grep "^propose ctx" "$OUT/propose.log" ;;
+  XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${LANE_TIMEOUT:-500} python3 -m jaxspec.bench \
+    propose --bs 1,4,16,64 --ctx 4096,32768 --eager-iters 3 --profile-dir /tmp/pp --json "$OUT/propose.json" \
+    > "$OUT/propose.log" 2>&1
+  timeout 50 python3 -m jaxspec.bench trace /tmp/pp --rounds 20 --top 25 --json "$OUT/propose-trace.json" \
+    > "$OUT/propose-trace.log" 2>&1
+  grep "^propose ctx\|all kernels" "$OUT/propose.log" "$OUT/propose-trace.log" ;;
 lane-e2e1k)  # bs 1 at 1K, all three modes, then the verify step at bs 1 and 16
   timeout 330 python3 -m jaxspec.bench e2e --bs 1 --prompt-len 1024 --json "$OUT/e2e-1k-bs1.json" \
     > "$OUT/e2e-1k-bs1.log" 2>&1

@@ -391,6 +391,17 @@ class Engine:
             self.stats.rounds += 1
         return [r for r in running if r.finish_reason]
 
+    def _stop_seen(self, r: Request) -> bool:
+        """Whether the output now holds a stop string. A new match ends in the last token, so it lies in the text of
+        the last 4 * len(stop) + 8 tokens (a token is at least one byte, a character at most four): decode only that
+        tail, and confirm a tail hit on the whole output (a tail's first characters may decode differently). Host work
+        per token stays bounded instead of growing with the output."""
+        tail = 4 * max(len(s) for s in r.params.stop) + 8
+        if not any(s in self.tokenizer.decode(r.output_ids[-tail:]) for s in r.params.stop):
+            return False
+        text = self.tokenizer.decode(r.output_ids)
+        return any(s in text for s in r.params.stop)
+
     def _commit(self, r: Request, new_tokens, now) -> None:
         """Append committed tokens one by one, stopping at EOS, a stop string, max_new_tokens or the context."""
         for t in new_tokens:
@@ -400,10 +411,8 @@ class Engine:
                 r.finish_reason = "stop"
             elif len(r.output_ids) >= r.params.max_new_tokens:
                 r.finish_reason = "length"
-            elif r.params.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(r.output_ids)
-                if any(s in text for s in r.params.stop):
-                    r.finish_reason = "stop"
+            elif r.params.stop and self.tokenizer is not None and self._stop_seen(r):
+                r.finish_reason = "stop"
             if r.finish_reason:
                 break
         if not r.finish_reason and len(r.tokens) + self.k + 1 > self.max_context:

@@ -1,6 +1,7 @@
 """The engine: lossless speculative decoding, equality with transformers' greedy generation, sampling by chi-square."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -240,3 +241,38 @@ def test_chi_square_catches_a_wrong_residual(sampling_setup, monkeypatch):
     monkeypatch.setattr(engine_mod.sampling, "accept", wrong)
     triples, _ = sample_triples(cfg, params, acfg, aparams, prompt, SAMPLING, 4000, "bucketed")
     assert chi_square_p(triples, joint, cfg.vocab_size) < 1e-3
+
+
+def test_stop_string_scan_is_exact_and_decodes_only_a_tail():
+    """Stop strings: the request stops at the first token after which the whole output's text holds the stop string
+    (the same token a full decode per token finds), and the per-token scan decodes only a bounded tail, so host work
+    does not grow with the output (a full decode per token made long outputs quadratic)."""
+    pieces = ["a", "bc", "", "d e", "S", "T", "OP", "xyz", "ST", "\u00e9"]  # "" : a token that decodes to nothing
+
+    class Tok:
+        lengths = []
+
+        def decode(self, ids, skip_special_tokens=False):
+            self.lengths.append(len(ids))
+            return "".join(pieces[i] for i in ids)
+
+    rng = np.random.default_rng(0)
+    stream = rng.integers(0, len(pieces), 4000).tolist()
+    for stop in (["STOP"], ["zz", "d eS"], ["never"]):
+        want = next((n for n in range(1, len(stream) + 1)
+                     if any(s in "".join(pieces[i] for i in stream[:n]) for s in stop)), None)
+        tok = Tok()
+        tok.lengths = []
+        fake = types.SimpleNamespace(eos=set(), tokenizer=tok, k=3, max_context=10**6)
+        fake._stop_seen = lambda r, fake=fake: Engine._stop_seen(fake, r)
+        r = Request(prompt_ids=[0], params=SamplingParams(max_new_tokens=len(stream) + 1, stop=stop))
+        for lo in range(0, len(stream), 4):  # rounds of up to 4 committed tokens
+            Engine._commit(fake, r, stream[lo:lo + 4], 0.0)
+            if r.finish_reason:
+                break
+        if want is None:
+            assert r.finish_reason is None and len(r.output_ids) == len(stream)
+        else:
+            assert r.finish_reason == "stop" and len(r.output_ids) == want, (stop, want, len(r.output_ids))
+        scans = tok.lengths[:-2] if want else tok.lengths  # a hit adds the confirming and the final full decode
+        assert max(scans) <= 4 * max(map(len, stop)) + 8

@@ -102,4 +102,18 @@ lane-e2e4k)  # bs 1 at 4K: plain and bucketed
   timeout ${LANE_TIMEOUT:-560} python3 -m jaxspec.bench e2e --bs 1 --modes off,bucketed --prompt-len 4096 \
     --json "$OUT/e2e-4k-bs1.json" > "$OUT/e2e-4k-bs1.log" 2>&1
   grep "^e2e bs" "$OUT/e2e-4k-bs1.log" ;;
+lane-cb-propose)  # command-buffer update mode: propose and verify launch and total time, default vs SKIP_TEMP
+  for mode in ALWAYS_UPDATE SKIP_TEMP; do
+    XLA_FLAGS=--xla_gpu_command_buffer_update_mode=$mode timeout 110 python3 -m jaxspec.bench propose --bs 1,4 \
+      --ctx 4096 --eager-iters 1 --json "$OUT/propose-$mode.json" > "$OUT/propose-$mode.log" 2>&1
+    XLA_FLAGS=--xla_gpu_command_buffer_update_mode=$mode timeout 110 python3 -m jaxspec.bench verify --bs 1 \
+      --iters 50 --json "$OUT/verify-$mode.json" > "$OUT/verify-$mode.log" 2>&1
+  done
+  grep -A4 "^ctx  bs" "$OUT"/propose-*.log; grep "^step of" "$OUT"/verify-*.log ;;
+lane-cb-e2e)  # the engine at bs 1, 1K, with each command-buffer update mode
+  for mode in SKIP_TEMP ALWAYS_UPDATE; do
+    XLA_FLAGS=--xla_gpu_command_buffer_update_mode=$mode timeout 250 python3 -m jaxspec.bench e2e --bs 1 \
+      --modes off,bucketed --prompt-len 1024 --json "$OUT/e2e-1k-bs1-$mode.json" > "$OUT/e2e-$mode.log" 2>&1
+  done
+  grep -A3 "^bs  " "$OUT"/e2e-*.log ;;
 esac

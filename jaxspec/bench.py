@@ -98,6 +98,17 @@ def profile_calls(args, call, label: str, calls: int = 20) -> None:
     print(f"profiled {calls} calls of {label} into {args.profile_dir}")
 
 
+def median_dispatch_us(call, iters: int, num_sets: int = NUM_SETS) -> float:
+    """Median host time in µs until `call(i)` returns (the launch; the result is waited for outside the timing)."""
+    times = []
+    for n in range(iters):
+        t0 = time.perf_counter()
+        out = call(n % num_sets)
+        times.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
+    return float(np.median(times)) * 1e6
+
+
 @jax.jit
 def dispatch_floor(*args):
     """The cheapest call on a figure's own arguments: the dispatch + sync cost that every figure of its row includes
@@ -358,6 +369,11 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
         for name, call in calls.items():
             row[f"{name}_us"] = median_us(call, eager_iters if name == "eager" else args.iters)
             if name == "bucketed":
+                row["bucketed_dispatch_us"] = median_dispatch_us(call, args.iters)
+                fixed = jax.device_put(sets[0])  # one input set already on the device: the same buffers every call
+                row["bucketed_device_inputs_us"] = median_us(lambda i, d=drafters["bucketed"], bs=bs: d.propose_bucket(bs, *fixed),
+                                                             args.iters, num_sets=1)
+            if name == "bucketed":
                 profile_calls(args, call, f"propose bs {bs} ctx {ctx}")
         same = np.asarray(calls["bucketed"](0)[0]) == calls["eager"](0)[0]
         row["same_drafts"] = float(np.mean(np.all(same, axis=1)))
@@ -386,6 +402,8 @@ def run_propose(args) -> dict:
                 f"{acfg.text.num_layers} layers, {acfg.num_centroids} centroids top-{acfg.centroid_top_k}), "
                 f"paged cache page {args.page_size}, random bf16", [
                     ("ctx", "ctx", "{}"), ("bs", "bs", "{}"), ("bucketed_us", "bucketed_us", "{:.1f}"),
+                    ("bucketed_dispatch_us", "launch_us", "{:.1f}"),
+                    ("bucketed_device_inputs_us", "device_inputs_us", "{:.1f}"),
                     ("no_cmd_buffer_us", "no_cmdbuf_us", "{:.1f}"), ("eager_us", "eager_us", "{:.1f}"),
                     ("eager/bucketed", "eager/bucketed", "{:.2f}"), ("no_cmd/bucketed", "no_cmd/bucketed", "{:.2f}"),
                     ("same_drafts", "same_drafts", "{:.2f}")], rows)
@@ -611,7 +629,9 @@ def run_e2e(args) -> dict:
                 f"tokens (decode tokens/s = sum(predicted_n) / sum(predicted_ms))", [
                     ("bs", "bs", "{}"), ("mode", "mode", "{}"), ("decode_tokens_per_s", "tok/s", "{:.1f}"),
                     ("mean_accept_length", "accept", "{:.2f}"), ("draft_ms_per_round", "draft_ms", "{:.3f}"),
-                    ("verify_ms_per_round", "verify_ms", "{:.3f}"), ("host_ms_per_round", "host_ms", "{:.3f}")],
+                    ("verify_ms_per_round", "verify_ms", "{:.3f}"),
+                    ("verify_dispatch_ms_per_round", "verify_launch_ms", "{:.3f}"),
+                    ("host_ms_per_round", "host_ms", "{:.3f}")],
                 rows)
     return {"preset": args.preset if not args.model else None, "model": label, "rows": rows}
 

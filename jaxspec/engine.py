@@ -77,6 +77,7 @@ class Stats:
     rounds: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    verify_dispatch_s: float = 0.0  # part of verify_s: host time until the verify call returns (launch, no wait)
     host_s: float = 0.0
     prefill_s: float = 0.0
 
@@ -376,6 +377,7 @@ class Engine:
             out, self.cache.arrays, self.seed_table = self._verify[(B, sample)](
                 self.params, self.cache.arrays, self.cache.swa_of_full, pt, pending, drafts, start, active,
                 self.seed_table, slots, *self._sampling_arrays(chunk, B))
+            self.stats.verify_dispatch_s += time.perf_counter() - t2
             out = np.asarray(out)  # the round's one device -> host transfer
             t3 = time.perf_counter()
             for b, r in enumerate(chunk):
@@ -444,7 +446,11 @@ class Engine:
             "ttft_ms_mean": float(np.mean(ttft)) if ttft else 0.0,
             "ttft_ms_median": float(np.median(ttft)) if ttft else 0.0,
             "rounds": self.stats.rounds,
-            "round_split_s": {"draft": self.stats.draft_s, "verify": self.stats.verify_s, "host": self.stats.host_s,
+            # draft: host time to launch the draft executable (its drafts stay on the device, no wait); verify: from
+            # there to the round's results on the host (launch, the GPU finishing draft + verify, the transfer), of
+            # which verify_dispatch is the launch alone; host: scheduling and committing
+            "round_split_s": {"draft": self.stats.draft_s, "verify": self.stats.verify_s,
+                              "verify_dispatch": self.stats.verify_dispatch_s, "host": self.stats.host_s,
                               "prefill": self.stats.prefill_s},
             "preemptions": sum(r.preemptions for r in requests),
         }

@@ -116,14 +116,4 @@ lane-cb-e2e)  # the engine at bs 1, 1K, with each command-buffer update mode
       --modes off,bucketed --prompt-len 1024 --json "$OUT/e2e-1k-bs1-$mode.json" > "$OUT/e2e-$mode.log" 2>&1
   done
   grep -A3 "^bs  " "$OUT"/e2e-*.log ;;
-lane-staged-e2e)  # the engine at bs 1, 1K with staged round inputs
-  timeout ${LANE_TIMEOUT:-200} python3 -m jaxspec.bench e2e --bs 1 --modes off,bucketed --prompt-len 1024 \
-    --json "$OUT/e2e-1k-bs1-staged.json" > "$OUT/e2e-staged.log" 2>&1
-  grep -A3 "^bs  " "$OUT/e2e-staged.log" ;;
-lane-staged-propose)  # propose at bs 1 and 4 with staged inputs, then the GPU tests of staging and the equivalences
-  timeout 90 python3 -m jaxspec.bench propose --bs 1,4 --ctx 4096 --eager-iters 1 \
-    --json "$OUT/propose-staged.json" > "$OUT/propose-staged.log" 2>&1
-  timeout ${LANE_TIMEOUT:-110} python3 -m pytest -q -p no:cacheprovider tests/test_drafter.py \
-    -k "round_inputs or changing or bf16" > "$OUT/tests-staged.txt" 2>&1
-  grep -A3 "^ctx  bs" "$OUT/propose-staged.log"; tail -2 "$OUT/tests-staged.txt" ;;
 esac

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxspec import sampling
 from jaxspec.config import AssistantConfig, ConfigError, TargetConfig, check_pair
-from jaxspec.draft.bucketed import DEFAULT_BUCKETS, ROUND_COLUMNS, BucketedDrafter, Staging, pack_round, unpack_round
+from jaxspec.draft.bucketed import DEFAULT_BUCKETS, BucketedDrafter
 from jaxspec.draft.eager import EagerDrafter
 from jaxspec.model import gemma4
 from jaxspec.paged_kv.cache import PagedKVCache
@@ -144,7 +144,6 @@ class Engine:
         elif draft_mode == "eager":
             self.drafter = EagerDrafter(aparams, acfg, params["embed"], cfg, self.k)
         self._verify, self._prefill = {}, {}
-        self.staging = Staging()  # one persistent device buffer per bucket for each round's packed inputs
         self._sampling_compiled = set()
         if self.drafter is not None:
             self.drafter.attach(self.cache)
@@ -155,11 +154,8 @@ class Engine:
     def _verify_program(self, sample: bool):
         cfg, spec, k, use_kernels = self.cfg, self.cache.spec, self.k, self.use_kernels
 
-        def verify_step(params, arrays, swa_of_full, packed, drafts, seed_table):
-            r = unpack_round(packed)  # the round's inputs, staged once and shared with the draft bucket
-            page_table, pending, start, active, rows = (r["page_table"], r["pending"], r["cached_len"], r["active"],
-                                                        r["seed_rows"])
-            temperature, top_k, top_p, seeds = r["temperature"], r["top_k"], r["top_p"], r["seeds"]
+        def verify_step(params, arrays, swa_of_full, page_table, pending, drafts, start, active, seed_table, rows,
+                        temperature, top_k, top_p, seeds):
             tokens = jnp.concatenate([pending[:, None], drafts], axis=1)  # [B, k+1]
             num = jnp.where(active, k + 1, 0)
             hidden, arrays = gemma4.paged_forward(params, cfg, spec, arrays, page_table, swa_of_full, tokens, start,
@@ -203,11 +199,9 @@ class Engine:
         vec = lambda dt=i32: jax.ShapeDtypeStruct((bucket,), dt)  # noqa: E731
         sampling_args = (vec(f32), vec(), vec(f32), vec())
         if kind == "verify":
-            fn = jax.jit(self._verify_program(sample), donate_argnums=(1, 5))
-            packed = (bucket, spec.max_pages_per_request + ROUND_COLUMNS)
-            self.staging.warm(packed)
-            return fn.lower(*statics[:3], jax.ShapeDtypeStruct(packed, i32),
-                            jax.ShapeDtypeStruct((bucket, self.k), i32), _abstract(self.seed_table)).compile()
+            fn = jax.jit(self._verify_program(sample), donate_argnums=(1, 8))
+            args = (vec(), jax.ShapeDtypeStruct((bucket, self.k), i32), vec(), vec(jnp.bool_),
+                    _abstract(self.seed_table), vec(), *sampling_args)
         else:
             fn = jax.jit(self._prefill_program(sample), donate_argnums=(1, 8))
             args = (jax.ShapeDtypeStruct((bucket, self.prefill_chunk), i32), vec(), vec(), vec(jnp.bool_),
@@ -371,10 +365,9 @@ class Engine:
             pending = np.pad(np.asarray([r.tokens[-1] for r in chunk], np.int32), (0, pad))
             slots = np.pad(np.asarray([r.slot for r in chunk], np.int32), (0, pad))
             active = np.arange(B) < len(chunk)
-            packed = self.staging.put(pack_round(pt, start, pending, slots, active, *self._sampling_arrays(chunk, B)))
             t1 = time.perf_counter()
             if self.draft_mode == "bucketed":
-                drafts, _ = self.drafter.propose_staged(B, packed, self.seed_table)
+                drafts, _ = self.drafter.propose_bucket(B, pt, start, pending, self.seed_table, slots)
             elif self.draft_mode == "eager":
                 drafts = self.drafter.propose(pt, start, pending, self.seed_table, slots)[0]
             else:
@@ -382,7 +375,8 @@ class Engine:
             t2 = time.perf_counter()
             sample = any(r.params.temperature > 0 for r in chunk)
             out, self.cache.arrays, self.seed_table = self._verify[(B, sample)](
-                self.params, self.cache.arrays, self.cache.swa_of_full, packed, drafts, self.seed_table)
+                self.params, self.cache.arrays, self.cache.swa_of_full, pt, pending, drafts, start, active,
+                self.seed_table, slots, *self._sampling_arrays(chunk, B))
             self.stats.verify_dispatch_s += time.perf_counter() - t2
             out = np.asarray(out)  # the round's one device -> host transfer
             t3 = time.perf_counter()

@@ -19,7 +19,6 @@ from conftest import golden_path
 from jaxspec import corpus
 from jaxspec import distill as D
 from jaxspec.config import assistant_config_from_dict, check_pair
-from jaxspec.draft.bucketed import unpack_round
 from jaxspec.engine import Engine, Request, SamplingParams
 from jaxspec.model import packed
 from jaxspec.model.weights import load_assistant, load_target, random_assistant_params
@@ -85,15 +84,14 @@ def engine_drafts(tiny):
     eng = Engine(t["cfg"], t["params"], acfg=t["acfg"], aparams=aparams, k=K, draft_mode="bucketed", buckets=(8,),
                  max_running=8, page_size=4, max_context=64, prefill_chunk=16)
     seen = []
-    real = eng.drafter.propose_staged
+    real = eng.drafter.propose_bucket
 
-    def spy(bucket, packed, seed_table):
-        drafts, h = real(bucket, packed, seed_table)
-        r = {n: np.asarray(a) for n, a in unpack_round(packed).items()}
-        seen.extend(zip(r["cached_len"].tolist(), r["pending"].tolist(), np.asarray(drafts).tolist()))
+    def spy(bucket, page_table, cached_len, pending, seed_table, seed_rows):
+        drafts, h = real(bucket, page_table, cached_len, pending, seed_table, seed_rows)
+        seen.extend(zip(np.asarray(cached_len).tolist(), np.asarray(pending).tolist(), np.asarray(drafts).tolist()))
         return drafts, h
 
-    eng.drafter.propose_staged = spy
+    eng.drafter.propose_bucket = spy
     reqs = [Request(prompt_ids=tokens[i, :p].tolist(), params=SamplingParams(max_new_tokens=2, ignore_eos=True))
             for i, p in enumerate(positions)]
     eng.generate(reqs)

@@ -1,8 +1,7 @@
 """BucketedDrafter: the fast draft path, one compiled executable per batch-size bucket.
 
-Per call only the page-table rows, `cached_len`, the pending tokens and the seed rows move host -> device: one
-bucket-shaped int32 array copied in place into a persistent device buffer (`Staging`), so the compiled graph reads
-it at the same address every call. Inside the one executable: the page-table walk and the SWA translation (`gather_kv_indices`,
+Per call only the page-table rows, `cached_len`, the pending tokens and the seed rows move host -> device, into
+bucket-shaped buffers. Inside the one executable: the page-table walk and the SWA translation (`gather_kv_indices`,
 live entries only), all k steps unrolled over one shared window with one metadata set, the paged attention, the head
 and the argmax. On a GPU XLA captures the whole executable as one command buffer (CUDA graph).
 
@@ -12,8 +11,6 @@ Padded rows use the dummy page and cached_len 0 (they see no key); their drafts 
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,80 +29,15 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 
-# ---- a round's inputs: one int32 array, copied in place into a persistent device buffer --------------------------
-#
-# A compiled graph (CUDA graph) records the device address of every buffer its kernels touch; when an input arrives
-# in a new buffer, XLA re-points the nodes that read it before the launch, on the host. Measured on the H200, a draft
-# bucket whose inputs came as fresh host arrays spent ~0.8 ms launching (bench/results/h200-propose-cb-modes.json).
-# So all per-call inputs travel as one int32 array [rows, max_pages + ROUND_COLUMNS] (the page-table row, then the
-# columns below), copied into a buffer that stays at one address (`Staging`); the draft bucket and the engine's verify
-# step both read that buffer.
-COL_LEN, COL_PENDING, COL_SEED_ROW, COL_ACTIVE, COL_TEMPERATURE, COL_TOP_K, COL_TOP_P, COL_SEED = range(8)
-ROUND_COLUMNS = 8
-
-
-def pack_round(page_table, cached_len, pending, seed_rows, active=None, temperature=None, top_k=None, top_p=None,
-               seeds=None) -> np.ndarray:
-    """Host numpy int32 [rows, max_pages + ROUND_COLUMNS]; fp32 columns are stored bit for bit."""
-    page_table = np.asarray(page_table, np.int32)
-    n, P = page_table.shape
-    out = np.zeros((n, P + ROUND_COLUMNS), np.int32)
-    out[:, :P] = page_table
-    for col, x, dt in ((COL_LEN, cached_len, np.int32), (COL_PENDING, pending, np.int32),
-                       (COL_SEED_ROW, seed_rows, np.int32), (COL_ACTIVE, active, np.int32),
-                       (COL_TEMPERATURE, temperature, np.float32), (COL_TOP_K, top_k, np.int32),
-                       (COL_TOP_P, top_p, np.float32), (COL_SEED, seeds, np.int32)):
-        if x is not None:
-            out[:, P + col] = np.asarray(x, dt).reshape(n).view(np.int32)
-    return out
-
-
-def unpack_round(packed) -> dict:
-    """Inside a compiled step: the fields of a `pack_round` array."""
-    P = packed.shape[1] - ROUND_COLUMNS
-    col = lambda c: packed[:, P + c]  # noqa: E731
-    f32 = lambda c: jax.lax.bitcast_convert_type(col(c), jnp.float32)  # noqa: E731
-    return {"page_table": packed[:, :P], "cached_len": col(COL_LEN), "pending": col(COL_PENDING),
-            "seed_rows": col(COL_SEED_ROW), "active": col(COL_ACTIVE) != 0, "temperature": f32(COL_TEMPERATURE),
-            "top_k": col(COL_TOP_K), "top_p": f32(COL_TOP_P), "seeds": col(COL_SEED)}
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _restage(buf, new):
-    return jax.lax.dynamic_update_slice(buf, new, (0, 0))  # in place: the result is `buf`'s memory
-
-
-class Staging:
-    """Persistent int32 device buffers, one per shape, that host arrays are copied into in place (the old buffer is
-    donated): whatever reads the result sees one device address call after call. The array `put` returns is valid
-    until the next `put` of its shape."""
-
-    def __init__(self):
-        self._bufs: dict[tuple, jax.Array] = {}
-
-    def warm(self, shape) -> None:
-        """Allocate the buffer and compile its copy (ahead of time: `put` runs under the no-tracing guard)."""
-        shape = tuple(shape)
-        if shape not in self._bufs:
-            self._bufs[shape] = _restage(jnp.zeros(shape, jnp.int32), np.zeros(shape, np.int32))
-
-    def put(self, host: np.ndarray) -> jax.Array:
-        shape = host.shape
-        self._bufs[shape] = _restage(self._bufs[shape], host)
-        return self._bufs[shape]
-
-
 def _draft_program(cfg: TargetConfig, acfg: AssistantConfig, spec: CacheSpec, k: int, use_kernels: bool):
     types = acfg.text.layer_types
 
-    def draft_bucket(aparams, target_embed, arrays, swa_of_full, packed, seed_table):
-        r = unpack_round(packed)
-        cached_len = r["cached_len"]
-        meta = draft_metadata(cfg, spec, r["page_table"], swa_of_full, cached_len, acfg.text.sliding_window, types,
+    def draft_bucket(aparams, target_embed, arrays, swa_of_full, page_table, cached_len, pending, seed_table,
+                     seed_rows):
+        meta = draft_metadata(cfg, spec, page_table, swa_of_full, cached_len, acfg.text.sliding_window, types,
                               use_kernels=use_kernels)
         attend = draft_attend(cfg, types, meta, use_kernels=use_kernels)
-        return propose(aparams, acfg, target_embed, r["pending"], seed_table[r["seed_rows"]], cached_len, attend,
-                       arrays, k)
+        return propose(aparams, acfg, target_embed, pending, seed_table[seed_rows], cached_len, attend, arrays, k)
 
     return draft_bucket
 
@@ -131,7 +63,6 @@ class BucketedDrafter:
         self.compiler_options = {**DRAFT_COMPILER_OPTIONS, **(compiler_options or {})}
         self.cache: PagedKVCache | None = None
         self.executables: dict[int, object] = {}
-        self.staging = Staging()
         self.compiles = 0  # how many times the buckets were (re)built: attach + each rebuild
 
     def attach(self, cache: PagedKVCache) -> None:
@@ -149,16 +80,15 @@ class BucketedDrafter:
                    jax.tree.map(_abstract, cache.arrays), _abstract(cache.swa_of_full))
         self.executables = {}
         for b in self.buckets:
-            shape = self.packed_shape(b)
+            i32 = jnp.int32
             self.executables[b] = fn.lower(
-                *statics, jax.ShapeDtypeStruct(shape, jnp.int32),
+                *statics,
+                jax.ShapeDtypeStruct((b, cache.spec.max_pages_per_request), i32),
+                jax.ShapeDtypeStruct((b,), i32), jax.ShapeDtypeStruct((b,), i32),
                 jax.ShapeDtypeStruct((self.seed_slots, Ht), self.target_embed.dtype),
+                jax.ShapeDtypeStruct((b,), i32),
             ).compile()
-            self.staging.warm(shape)
         self.compiles += 1
-
-    def packed_shape(self, bucket: int) -> tuple[int, int]:
-        return bucket, self.cache.spec.max_pages_per_request + ROUND_COLUMNS
 
     def bucket_for(self, n: int) -> int:
         return next((b for b in self.buckets if b >= n), self.buckets[-1])
@@ -175,15 +105,9 @@ class BucketedDrafter:
     def propose_bucket(self, bucket: int, page_table, cached_len, pending, seed_table, seed_rows):
         """Inputs already padded to `bucket` rows (host numpy; seed_table on the device). No tracing happens here."""
         with jax.no_tracing(True):
-            packed = self.staging.put(pack_round(page_table, cached_len, pending, seed_rows))
-            return self.propose_staged(bucket, packed, seed_table)
-
-    def propose_staged(self, bucket: int, packed, seed_table):
-        """The bucket on a `pack_round` array already on the device (the engine stages one per round and shares it
-        with its verify step)."""
-        with jax.no_tracing(True):
             return self.executables[bucket](self.aparams, self.target_embed, self.cache.arrays,
-                                            self.cache.swa_of_full, packed, seed_table)
+                                            self.cache.swa_of_full, page_table, cached_len, pending, seed_table,
+                                            seed_rows)
 
     def propose(self, page_table, cached_len, pending, seed_table, seed_rows):
         """Any batch size: pad to buckets (chunked above the largest), return numpy (drafts [B, k], h_next [B, Ht])."""

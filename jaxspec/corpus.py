@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from jaxspec.config import ConfigError
+from jaxspec.config import ConfigError, read_jsonl
 
 HELDOUT_FRACTION = 0.1  # of the corpus text, in whole topics
 HELDOUT_EVERY = 10  # untagged prompt_ids rows: every 10th is held out
@@ -82,24 +82,15 @@ def write_prompt_ids(path: str, rows: list[dict]) -> None:
 
 def read_prompt_ids(path: str) -> list[dict]:
     """Rows of a prompt_ids JSONL (`split` defaults to None: untagged)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"prompts file not found: {path}")
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{n}: not JSON ({e.msg})") from None
-            ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-                raise ConfigError(f"{path}:{n}: expected an object with 'prompt_ids', a non-empty list of integers")
-            split = obj.get("split")
-            if split not in (None, *SPLITS):
-                raise ConfigError(f"{path}:{n}: split must be 'train' or 'heldout', got {split!r}")
-            rows.append({"prompt_ids": ids, "split": split})
+    for n, obj in read_jsonl(path):
+        ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            raise ConfigError(f"{path}:{n}: expected an object with 'prompt_ids', a non-empty list of integers")
+        split = obj.get("split")
+        if split not in (None, *SPLITS):
+            raise ConfigError(f"{path}:{n}: split must be 'train' or 'heldout', got {split!r}")
+        rows.append({"prompt_ids": ids, "split": split})
     if not rows:
         raise ConfigError(f"{path}: no prompts")
     return rows

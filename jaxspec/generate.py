@@ -90,23 +90,13 @@ def demo_pair(dtype):
 
 def read_prompts(args, tokenizer):
     """[(prompt_ids, source text or None)] in input order."""
-    from jaxspec.config import ConfigError
+    from jaxspec.config import ConfigError, read_jsonl
 
     items = [("text", t) for t in args.prompt]
     if args.prompts:
         path = args.prompts
-        if not os.path.isfile(path):
-            raise ConfigError(f"prompts file not found: {path}")
-        with open(path) as f:
-            lines = f.read().splitlines()
         if path.endswith(".jsonl"):
-            for n, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{path}:{n}: not JSON ({e.msg})") from None
+            for n, obj in read_jsonl(path):
                 if isinstance(obj, dict) and isinstance(obj.get("prompt_ids"), list):
                     if not all(isinstance(t, int) for t in obj["prompt_ids"]):
                         raise ConfigError(f"{path}:{n}: prompt_ids must be a list of integers")
@@ -116,7 +106,10 @@ def read_prompts(args, tokenizer):
                 else:
                     raise ConfigError(f"{path}:{n}: expected an object with 'prompt' (text) or 'prompt_ids' (list)")
         else:
-            items += [("text", line) for line in lines if line.strip()]
+            if not os.path.isfile(path):
+                raise ConfigError(f"prompts file not found: {path}")
+            with open(path) as f:
+                items += [("text", line) for line in f.read().splitlines() if line.strip()]
     out = []
     for kind, value in items:
         if kind == "ids":

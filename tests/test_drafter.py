@@ -344,8 +344,12 @@ def test_top_k_ids_equals_lax_top_k(shape):
     """The centroid head's top-k by ranking returns lax.top_k's indices exactly (order and ties: lower index
     first); (9, 2048) is past RANK_TOP_K_MAX and takes lax.top_k itself. Values drawn from a few levels force ties."""
     rng = np.random.default_rng(shape[1])
-    for x in (rng.standard_normal(shape), rng.integers(0, 5, shape)):
+    for tied, x in ((False, rng.standard_normal(shape)), (True, rng.integers(0, 5, shape))):
         x = jnp.asarray(x, jnp.float32)
         got = np.asarray(jax.jit(assistant_mod.top_k_ids, static_argnums=1)(x, 32))
-        np.testing.assert_array_equal(got, np.asarray(jax.lax.top_k(x, 32)[1]))
+        want = np.asarray(jax.lax.top_k(x, 32)[1])
+        np.testing.assert_array_equal(got, want)
+        if tied:  # more entries share the k-th value than fit in the top k: any other tie-break would differ
+            xs, kth = np.asarray(x[0]), np.asarray(x[0])[want[0, -1]]
+            assert (xs == kth).sum() > (xs[want[0]] == kth).sum()
     assert (shape[0] * shape[1] ** 2 > assistant_mod.RANK_TOP_K_MAX) == (shape[0] == 9)  # both paths exercised

@@ -195,7 +195,7 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
     for B, tq, kvh, g, d, width, splits in [(4, 8, 1, 16, 512, 4096, None), (8, 1, 2, 4, 256, 1056, None),
-                                            (2, 4, 2, 2, 16, 64, None), (1, 4, 2, 4, 256, 640, 1)]:
+                                            (2, 4, 2, 2, 16, 64, 2), (1, 4, 2, 4, 256, 640, 1)]:
         dtype = jnp.float32 if d == 16 else jnp.bfloat16
         text = lower(
             lambda *a, splits=splits: paged_attention(*a, num_splits=splits, interpret=False),

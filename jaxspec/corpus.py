@@ -11,12 +11,12 @@ of `python -m jaxspec.generate`. Bad input prints one line and exits with status
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import sys
 
+from jaxspec.cli import Parser, run_cli
 from jaxspec.config import ConfigError, read_jsonl
 
 HELDOUT_FRACTION = 0.1  # of the corpus text, in whole topics
@@ -118,28 +118,22 @@ def load_tokenizer_or_fail(model: str):
     return tokenizer
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
 
 def main(argv=None) -> int:
-    p = _Parser(prog="python -m jaxspec.corpus", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m jaxspec.corpus", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="model folder with the tokenizer")
     p.add_argument("--out", required=True, help="prompt_ids JSONL (train and held-out rows, tagged)")
     p.add_argument("--heldout-out", default=None, help="held-out prompts as text, one a line")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--stride", type=int, default=None, help="tokens between prompt starts (default prompt-len / 2)")
-    args = p.parse_args(argv)
-    try:
-        tokenizer = load_tokenizer_or_fail(args.model)
-        rows = cut_prompts(tokenizer, pydoc_topics(), args.prompt_len, args.stride or max(1, args.prompt_len // 2))
-        write_prompt_ids(args.out, rows)
-        held = write_heldout_text(args.heldout_out, tokenizer, rows) if args.heldout_out else 0
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_cli(_run, p.parse_args(argv))
+
+
+def _run(args) -> int:
+    tokenizer = load_tokenizer_or_fail(args.model)
+    rows = cut_prompts(tokenizer, pydoc_topics(), args.prompt_len, args.stride or max(1, args.prompt_len // 2))
+    write_prompt_ids(args.out, rows)
+    held = write_heldout_text(args.heldout_out, tokenizer, rows) if args.heldout_out else 0
     n_held = sum(r["split"] == "heldout" for r in rows)
     print(f"{len(rows)} prompts of {args.prompt_len} tokens ({len(rows) - n_held} train, {n_held} held-out) -> "
           f"{args.out}" + (f"; {held} held-out text lines -> {args.heldout_out}" if args.heldout_out else ""))

@@ -24,7 +24,6 @@ Bad input prints one line and exits with status 2.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -39,6 +38,7 @@ import numpy as np
 import optax
 
 from jaxspec import corpus
+from jaxspec.cli import Parser, run_cli
 from jaxspec.config import (
     FULL,
     SLIDING,
@@ -489,14 +489,9 @@ def kept_view(aparams, kept_ids) -> dict:
 # ---- CLI -------------------------------------------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
 
 def parse_args(argv=None):
-    p = _Parser(prog="python -m jaxspec.distill", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m jaxspec.distill", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="target checkpoint folder (HF layout)")
     p.add_argument("--out", required=True, help="HF assistant folder to write")
     p.add_argument("--packed-out", default=None, help="packed form for shipping (default OUT/packed)")
@@ -656,12 +651,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_cli(run, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -9,11 +9,12 @@ Bad input prints one line and exits with status 2.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import sys
+
+from jaxspec.cli import Parser, run_cli  # stdlib-only imports: the CLI starts before jax loads
 
 DEMO = "demo-random"
 DEFAULT = "gemma3-270m"
@@ -21,14 +22,9 @@ PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "pr
 DEMO_PROMPTS = [[2, 17, 300, 42, 9], [2, 500, 12, 7, 7, 81, 1000, 3, 64, 5, 811], [2, 99], [2, 123, 456, 789, 321]]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse's default prints the whole usage first)
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
 
 def parse_args(argv=None):
-    p = _Parser(prog="python -m jaxspec.generate", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m jaxspec.generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT, help=f"target checkpoint folder (HF layout), '{DEFAULT}' (default: "
                    f"Gemma 3 270M with jaxspec's distilled assistant) or '{DEMO}' (random-weight Gemma 4 pair)")
     p.add_argument("--assistant", default=None, help="assistant (drafter) checkpoint folder (default with "
@@ -236,14 +232,7 @@ def print_summary(s: dict, label: str) -> None:
 
 
 def main(argv=None) -> int:
-    from jaxspec.config import ConfigError
-
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_cli(run, parse_args(argv))
 
 
 if __name__ == "__main__":

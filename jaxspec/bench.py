@@ -14,7 +14,6 @@ with the jax version, the device, the date and the command line. Timings never b
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import gc
@@ -29,8 +28,8 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from jaxspec.config import (FULL, LAYER_TYPES, PRESETS, SLIDING, AssistantConfig, ConfigError, TargetConfig,
-                            assistant_preset)
+from jaxspec.config import (FULL, LAYER_TYPES, PRESETS, SLIDING, AssistantConfig, ConfigError,
+                            TargetConfig, bench_pair)
 from jaxspec.draft.bucketed import BucketedDrafter
 from jaxspec.draft.eager import EagerDrafter
 from jaxspec.engine import Engine, Request, SamplingParams
@@ -51,21 +50,15 @@ ATTN_HEADS, ATTN_KV_HEADS = 8, 2  # E4B: 8 query heads over 2 KV heads in both l
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
 # E4B's structure (PLE, KV sharing, both layer types, centroid drafter head) at sizes a CPU compiles in seconds.
-TINY = dataclasses.replace(
-    PRESETS["E4B"], vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=6, head_dim=16,
-    global_head_dim=32, layer_types=(SLIDING, SLIDING, FULL) * 2, sliding_window=8, hidden_size_per_layer_input=16,
-    vocab_size_per_layer_input=512, num_kv_shared_layers=2)
 PRESET_NAMES = ("tiny", *PRESETS)
 
 
 def target_preset(name: str) -> TargetConfig:
-    return TINY if name == "tiny" else PRESETS[name]
+    return bench_pair(name)[0]
 
 
 def drafter_preset(name: str, cfg: TargetConfig) -> AssistantConfig:
-    if name == "tiny":
-        return assistant_preset(cfg, hidden_size=32, intermediate_size=64, num_centroids=16, centroid_top_k=4)
-    return assistant_preset(cfg)
+    return bench_pair(name)[1]
 
 
 # ---- measuring and reporting -----------------------------------------------------------------------------------------

@@ -451,6 +451,21 @@ def assistant_preset(target: TargetConfig, *, hidden_size: int = 256, num_layers
                            use_ordered_embeddings=ordered, num_centroids=num_centroids, centroid_top_k=centroid_top_k)
 
 
+# The benchmarks' "tiny" preset: E4B's structure (PLE, KV sharing, both attention types) at CPU sizes. Here, not in
+# jaxspec.bench, so that the peer benchmark scripts (bench/peers, their own environments) share it without jax.
+TINY = dataclasses.replace(
+    PRESETS["E4B"], vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=6, head_dim=16,
+    global_head_dim=32, layer_types=(SLIDING, SLIDING, FULL) * 2, sliding_window=8, hidden_size_per_layer_input=16,
+    vocab_size_per_layer_input=512, num_kv_shared_layers=2)
+
+
+def bench_pair(name: str) -> tuple[TargetConfig, AssistantConfig]:
+    """(target, drafter) configs of a benchmark preset: "tiny" or a PRESETS name with its public-shaped drafter."""
+    if name == "tiny":
+        return TINY, assistant_preset(TINY, hidden_size=32, intermediate_size=64, num_centroids=16, centroid_top_k=4)
+    return PRESETS[name], assistant_preset(PRESETS[name])
+
+
 def rope_inv_freq(rope: Rope, head_dim: int, dtype=None):
     """Inverse frequencies [head_dim // 2] (numpy, computed in float32 as transformers does, or float64 for oracle
     runs); proportional RoPE leaves the tail at 0 (unrotated) and divides by the full head_dim."""

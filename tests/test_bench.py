@@ -6,6 +6,7 @@ import json
 import pytest
 
 from jaxspec import bench
+from jaxspec.config import TINY
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -51,7 +52,7 @@ def test_decode(tmp_path):
     (need,) = r["bytes"]
     parts = ("lm_head", "ple_rows", "globals", "layers", "kv_sliding", "kv_full")
     assert need["total"] == sum(need[k] for k in parts)
-    cfg = bench.TINY
+    cfg = TINY
     assert need["lm_head"] == cfg.vocab_size * cfg.hidden_size * 2
     # 4 sliding layers read W = 8 positions, 2 full layers all 24, each of 2 rows: 2 KV heads, K and V in bf16
     assert need["kv_sliding"] == 4 * 2 * 8 * 2 * cfg.head_dim * 2 * 2

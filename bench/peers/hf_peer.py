@@ -26,7 +26,6 @@ The JSON is rewritten after every measurement, so a run cut by a time limit keep
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -42,21 +41,12 @@ from transformers import (Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gem
 from transformers.generation import candidate_generator as cg
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from jaxspec.config import FULL, PRESETS, SLIDING, TargetConfig, assistant_preset  # noqa: E402  (no jax import)
+from jaxspec.config import FULL, PRESETS, SLIDING, TargetConfig, bench_pair  # noqa: E402  (no jax import)
 
-# jaxspec.bench's TINY preset (E4B's structure at CPU sizes), repeated here so that no jax is imported
-TINY = dataclasses.replace(
-    PRESETS["E4B"], vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=6, head_dim=16,
-    global_head_dim=32, layer_types=(SLIDING, SLIDING, FULL) * 2, sliding_window=8, hidden_size_per_layer_input=16,
-    vocab_size_per_layer_input=512, num_kv_shared_layers=2)
 
 
 def presets(name: str, tiny: bool):
-    if tiny:
-        cfg = TINY
-        return cfg, assistant_preset(cfg, hidden_size=32, intermediate_size=64, num_centroids=16, centroid_top_k=4)
-    cfg = PRESETS[name]
-    return cfg, assistant_preset(cfg)
+    return bench_pair("tiny" if tiny else name)  # jaxspec.bench's presets (jaxspec.config imports no jax)
 
 
 def text_kwargs(c: TargetConfig) -> dict:

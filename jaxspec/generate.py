@@ -47,6 +47,12 @@ def parse_args(argv=None):
     p.add_argument("--kv-pages", type=int, default=None, help="full-pool pages (default: enough for every request)")
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--rounds-per-call", type=int, default=4,
+                   help="speculative rounds per decode call, a device loop that stops early when every request is "
+                        "done (more: fewer launches; a waiting request is admitted only between calls)")
+    p.add_argument("--overlap", choices=("on", "off"), default="on",
+                   help="launch the next decode call before reading the last one's results (the host commits while "
+                        "the device computes); --draft-mode eager runs without it")
     p.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
                    help="Pallas kernels (auto: on a GPU; on a CPU they run in interpret mode)")
     p.add_argument("--profile-dir", default=None, help="write a jax profiler trace of the decode rounds here")
@@ -180,7 +186,8 @@ def run(args) -> int:
     engine = Engine(cfg, params, acfg=acfg, aparams=aparams, k=args.num_speculative_tokens, draft_mode=draft_mode,
                     buckets=buckets, max_running=args.max_running_requests, page_size=args.page_size,
                     num_pages=args.kv_pages, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-                    use_kernels=kernels, tokenizer=tokenizer)
+                    use_kernels=kernels, rounds_per_call=args.rounds_per_call, overlap=args.overlap == "on",
+                    tokenizer=tokenizer)
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     requests = [Request(prompt_ids=ids, params=dataclasses.replace(sp, seed=args.seed + i))
@@ -195,10 +202,10 @@ def run(args) -> int:
         from tqdm import tqdm
 
         bar = tqdm(total=len(requests), desc="requests", file=sys.stderr)
-    engine.generate(requests, on_progress=bar.update if bar else None, profile_dir=args.profile_dir)
+    engine.generate(requests, on_finished=(lambda r: bar.update(1)) if bar else None, profile_dir=args.profile_dir)
     if bar:
         bar.close()
-    records = [request_record(r, engine) for r in requests]
+    records = [request_record(r) for r in requests]
     if not args.quiet:
         for rec, (_, text) in zip(records, prompts):
             shown = rec.get("text", rec["output_ids"])
@@ -218,12 +225,15 @@ def print_summary(s: dict, label: str) -> None:
         ("model", label),
         ("requests", s["requests"]),
         ("generated tokens", s["generated_tokens"]),
-        ("decode tokens/s", f"{s['decode_tokens_per_s']:.1f}"),
+        ("decode tokens/s (per request)", f"{s['decode_tokens_per_s']:.1f}"),
+        ("throughput tokens/s (all requests)", f"{s['throughput_tokens_per_s']:.1f}"),
         ("mean accept length", f"{s['mean_accept_length']:.2f}"),
         ("acceptance per draft position", acc),
         ("time to first token ms (mean / median)", f"{s['ttft_ms_mean']:.1f} / {s['ttft_ms_median']:.1f}"),
-        ("decode rounds", s["rounds"]),
-        ("round time s (draft / verify / host)", f"{split['draft']:.3f} / {split['verify']:.3f} / {split['host']:.3f}"),
+        ("decode rounds / calls", f"{s['rounds']} / {s['calls']} ({s['rounds_per_call']} rounds a call, overlap "
+                                  f"{'on' if s['overlap'] else 'off'})"),
+        ("host time s (launch / wait / commit)", f"{split['launch']:.3f} / {split['wait']:.3f} / {split['host']:.3f}"),
+        ("programs compiled", s["programs_compiled"]),
         ("preemptions", s["preemptions"]),
     ]
     width = max(len(k) for k, _ in rows)

@@ -7,8 +7,33 @@ layout, so a request's samples do not depend on which other requests share its b
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling parameters, one pytree (a program argument, or a per-slot table in the decode state)."""
+
+    temperature: jax.Array  # f32[B]  0: greedy
+    top_k: jax.Array  # i32[B]        0: off
+    top_p: jax.Array  # f32[B]        1: off
+    seed: jax.Array  # i32[B]         keys are derived from (seed, position)
+
+    @staticmethod
+    def build(params: list, rows: int) -> "SamplingMetadata":
+        """Host arrays for `params` (objects with temperature / top_k / top_p / seed), padded greedy to `rows`."""
+        pad = rows - len(params)
+        arr = lambda xs, dt: np.pad(np.asarray(xs, dt), (0, pad))  # noqa: E731
+        return SamplingMetadata(temperature=arr([p.temperature for p in params], np.float32),
+                                top_k=arr([p.top_k for p in params], np.int32),
+                                top_p=np.pad(np.asarray([p.top_p for p in params], np.float32), (0, pad),
+                                             constant_values=1.0),
+                                seed=arr([p.seed for p in params], np.int32))
 
 
 def row_keys(seeds, positions, salt: int):

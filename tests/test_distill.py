@@ -5,6 +5,7 @@ Target: the tiny real-format Gemma 3 checkpoint (gemma3_text, W = 8, V = 512), p
 tokens, so the drafter's sliding window (W + 1 = 9 positions) is shorter than the sequences.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ from jaxspec import corpus
 from jaxspec import distill as D
 from jaxspec.config import assistant_config_from_dict, check_pair
 from jaxspec.engine import Engine, Request, SamplingParams
+from jaxspec.engine import programs as programs_mod
 from jaxspec.model import packed
 from jaxspec.model.weights import load_assistant, load_target, random_assistant_params
 
@@ -81,17 +83,21 @@ def engine_drafts(tiny):
     aparams, _ = random_pair(t)
     positions = [12, 14, 17, 20, 23, 26, 29, 32]  # p + K <= T - 1; many past the W + 1 window
     tokens = np.asarray(t["data"]["tokens"])
-    eng = Engine(t["cfg"], t["params"], acfg=t["acfg"], aparams=aparams, k=K, draft_mode="bucketed", buckets=(8,),
-                 max_running=8, page_size=4, max_context=64, prefill_chunk=16)
     seen = []
-    real = eng.drafter.propose_bucket
 
-    def spy(bucket, page_table, cached_len, pending, seed_table, seed_rows):
-        drafts, h = real(bucket, page_table, cached_len, pending, seed_table, seed_rows)
-        seen.extend(zip(np.asarray(cached_len).tolist(), np.asarray(pending).tolist(), np.asarray(drafts).tolist()))
+    def spy(*args, **kw):  # the engine's own draft function, recording what it saw and proposed as it runs
+        drafts, h = real(*args, **kw)
+        jax.debug.callback(lambda c, pend, d: seen.extend(zip(c.tolist(), pend.tolist(), d.tolist())),
+                           args[4], args[5], drafts)
         return drafts, h
 
-    eng.drafter.propose_bucket = spy
+    real = programs_mod.draft
+    with pytest.MonkeyPatch.context() as m:  # traced into the engine's programs when they compile
+        m.setattr(programs_mod, "draft", spy)
+        eng = Engine(t["cfg"], t["params"], acfg=t["acfg"], aparams=aparams, k=K, draft_mode="bucketed",
+                     buckets=(8,), max_running=8, page_size=4, max_context=64, prefill_chunk=16,
+                     rounds_per_call=1, overlap=False)  # one round per request, none past its end
+        eng.warmup()
     reqs = [Request(prompt_ids=tokens[i, :p].tolist(), params=SamplingParams(max_new_tokens=2, ignore_eos=True))
             for i, p in enumerate(positions)]
     eng.generate(reqs)
@@ -189,7 +195,8 @@ def test_accept_length_estimate_replays_the_engines_rounds(tiny, trained, engine
     t = tiny
     eng, _ = engine_drafts
     aparams = D.export_params(trained[0], t["kept"], t["cfg"].vocab_size)
-    eng.drafter.aparams = aparams  # weights are arguments of the compiled buckets: same shapes, no recompile
+    # weights are arguments of the compiled programs: same shapes, no recompile
+    eng.runner.weights = dataclasses.replace(eng.runner.weights, assistant=aparams)
     reqs = [Request(prompt_ids=p, params=SamplingParams(max_new_tokens=NEW, ignore_eos=True))
             for p in t["prompts"][64:]]
     eng.generate(reqs)

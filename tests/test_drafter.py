@@ -16,7 +16,7 @@ from jaxspec.draft.eager import EagerDrafter, host_draft_metadata
 from jaxspec.model import assistant as assistant_mod
 from jaxspec.model import gemma4
 from jaxspec.model.weights import load_assistant, load_target
-from jaxspec.paged_kv.cache import PagedKVCache, draft_attend
+from jaxspec.paged_kv.cache import LayerKV, PagedKVCache, draft_attend
 
 PAGE = 4
 PAIRS = [("e2b", "assistant"), ("e2b", "assistant_plain"), ("moe", "assistant"), ("dense31", "assistant")]
@@ -46,10 +46,22 @@ def write_store_kv(cache, rid, kv: dict):
             if t == SLIDING:
                 pages = cache.pool.swa_of_full[pages]
             slots = pages * PAGE + pos % PAGE
-            for name, val in (("k", k), ("v", v)):
-                a = cache.arrays[f"{t}_{name}"]
-                cache.arrays[f"{t}_{name}"] = a.at[-1, slots].set(jnp.asarray(val)[s:e].astype(a.dtype))
+            stack = cache.kv[t]
+            cache.kv[t] = LayerKV(k=stack.k.at[-1, slots].set(jnp.asarray(k)[s:e].astype(stack.k.dtype)),
+                                  v=stack.v.at[-1, slots].set(jnp.asarray(v)[s:e].astype(stack.v.dtype)))
     return cache.pool.page_table([rid])[0]
+
+
+def full_logits(aparams, acfg, hn):
+    """The full-vocabulary logits [B, V] as transformers returns them (the centroid head fills non-candidates with
+    min(candidate logits) - 1)."""
+    if not acfg.use_ordered_embeddings:
+        return jnp.einsum("bh,vh->bv", hn, aparams["embed"], preferred_element_type=jnp.promote_types(hn.dtype,
+                                                                                                       jnp.float32))
+    cand, sel = assistant_mod.candidates(aparams, acfg, hn)
+    base = jnp.min(sel, axis=-1, keepdims=True) - 1.0
+    out = jnp.broadcast_to(base, (hn.shape[0], acfg.vocab_size))
+    return out.at[jnp.arange(hn.shape[0])[:, None], cand].set(sel)
 
 
 # ---- one step against transformers ----------------------------------------------------------------------------------
@@ -69,14 +81,14 @@ def check_steps(case, name, dtype, suffix, tol):
     for row, c in enumerate(ref[f"{name}_cached_len"]):
         cache = make_cache(cfg, num_full_pages=20, num_swa_pages=12, dtype=dtype)
         pt = write_store_kv(cache, "r", {t: (k[:c], v[:c]) for t, (k, v) in kv.items()})
-        meta = host_draft_metadata(cfg, cache, pt[None], np.array([c], np.int32), acfg.text.sliding_window,
+        meta = host_draft_metadata(cache, pt[None], np.array([c], np.int32), acfg.text.sliding_window,
                                    acfg.text.layer_types)
         attend = draft_attend(cfg, acfg.text.layer_types, meta, use_kernels=False)
         tok, h = ids[:, c], hidden[:, c - 1]
         for step in range(3):
             hn, h = assistant_mod.draft_hidden(aparams, acfg, params["embed"], tok, h, jnp.array([c]), attend,
-                                               cache.arrays)
-            logits = np.asarray(assistant_mod.full_logits(aparams, acfg, hn))[0]
+                                               cache.kv)
+            logits = np.asarray(full_logits(aparams, acfg, hn))[0]
             np.testing.assert_allclose(logits, ref[f"{name}_logits{suffix}"][row, step], atol=tol, rtol=0,
                                        err_msg=f"{case}/{name} c={c} step {step}")
             np.testing.assert_allclose(np.asarray(h)[0], ref[f"{name}_h_next{suffix}"][row, step], atol=tol, rtol=0)
@@ -129,10 +141,9 @@ def random_state(cfg, n_rows, seed, *, cache=None, max_len=60):
                 step = int(min(n - pos[rid], rng.integers(1, 9)))
                 assert cache.pool.prepare(rid, pos[rid], pos[rid] + step), "test pool too small"
                 pos[rid] += step
-    for t in cfg.kv_layers:
-        for kv in "kv":
-            a = cache.arrays[f"{t}_{kv}"]
-            cache.arrays[f"{t}_{kv}"] = jnp.asarray(rng.normal(size=a.shape), a.dtype)
+    for t, stack in cache.kv.items():
+        cache.kv[t] = LayerKV(k=jnp.asarray(rng.normal(size=stack.k.shape), stack.k.dtype),
+                              v=jnp.asarray(rng.normal(size=stack.v.shape), stack.v.dtype))
     page_table = cache.pool.page_table(rids)
     cached_len = np.asarray(lengths, np.int32)
     pending = rng.integers(0, cfg.vocab_size, n_rows).astype(np.int32)
@@ -193,8 +204,9 @@ def test_calls_with_changing_tables_equal_eager_and_survive_rebuild(pair):
     for rid in list(cache.pool.requests):
         cache.pool.free(rid)
     cache.rebuild(num_full_pages=200, num_swa_pages=90)
+    fast.compile()  # its owner compiles again after a rebuild (the cache does not call back up)
     assert fast.compiles == 2
-    assert cache.arrays[f"{FULL}_k"].shape[1] == 200 * PAGE
+    assert cache.kv[FULL].k.shape[1] == 200 * PAGE
     _, _, pt, cl, pending = random_state(cfg, 7, seed=7, cache=cache)
     table = seed_table(acfg, 9, 7)
     rows = np.arange(7, dtype=np.int32)
@@ -222,9 +234,9 @@ def _mismatch_rate(pair, monkeypatch, breakage):
 def test_comparison_catches_missing_swa_translation(pair, monkeypatch):
     def no_translation(m):
         real = bucketed_mod.draft_metadata
-        m.setattr(bucketed_mod, "draft_metadata",
-                  lambda cfg, spec, pt, swa, *a, **kw: real(cfg, spec, pt, jnp.arange(swa.shape[0], dtype=jnp.int32),
-                                                            *a, **kw))
+        identity = lambda pages: dataclasses.replace(  # noqa: E731
+            pages, swa_of_full=jnp.arange(pages.swa_of_full.shape[0], dtype=jnp.int32))
+        m.setattr(bucketed_mod, "draft_metadata", lambda spec, pages, *a, **kw: real(spec, identity(pages), *a, **kw))
     assert _mismatch_rate(pair, monkeypatch, no_translation) > 0.3
 
 
@@ -233,10 +245,7 @@ def test_comparison_catches_a_one_key_window(pair, monkeypatch):
         real = bucketed_mod.draft_metadata
 
         def meta(*a, **kw):
-            out = real(*a, **kw)
-            for t in out:
-                out[t]["q_lo"] = out[t]["q_hi"]
-            return out
+            return {t: dataclasses.replace(m, q_lo=m.q_hi) for t, m in real(*a, **kw).items()}
         m.setattr(bucketed_mod, "draft_metadata", meta)
     assert _mismatch_rate(pair, monkeypatch, one_key) > 0.3
 
@@ -291,7 +300,7 @@ def test_bf16_drafts_follow_the_seed_rule(head):
     rows = np.arange(B, dtype=np.int32)
     one_step = BucketedDrafter(aparams, acfg, params["embed"], cfg, 1, buckets=(B,), seed_slots=B + 1)
     one_step.attach(cache)
-    meta = host_draft_metadata(cfg, cache, pt, cl, acfg.text.sliding_window, acfg.text.layer_types)
+    meta = host_draft_metadata(cache, pt, cl, acfg.text.sliding_window, acfg.text.layer_types)
     attend = draft_attend(cfg, acfg.text.layer_types, meta, use_kernels=False)
     tok, h = jnp.asarray(pending), table[rows]
     differ = swaps = 0
@@ -299,10 +308,10 @@ def test_bf16_drafts_follow_the_seed_rule(head):
     for step in range(k):
         got, h_got = one_step.propose(pt, cl, np.asarray(tok), jnp.concatenate([h, h[:1]]), rows)
         hn, h = assistant_mod.draft_hidden(aparams, acfg, params["embed"], tok, h, jnp.asarray(cl), attend,
-                                           cache.arrays)
+                                           cache.kv)
         h32 = np.asarray(h, np.float32)
         h_gap.append(float(np.max(np.abs(h_got.astype(np.float32) - h32)) / np.max(np.abs(h32))))
-        logits = np.asarray(assistant_mod.full_logits(aparams, acfg, hn), np.float32)
+        logits = np.asarray(full_logits(aparams, acfg, hn), np.float32)
         tok = assistant_mod.draft_token(aparams, acfg, hn)
         eager_ids = np.asarray(tok)
         eager_traj.append(eager_ids)

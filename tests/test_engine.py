@@ -1,7 +1,6 @@
 """The engine: lossless speculative decoding, equality with transformers' greedy generation, sampling by chi-square."""
 
 import dataclasses
-import types
 
 import jax
 import jax.numpy as jnp
@@ -10,10 +9,10 @@ import pytest
 from scipy import stats
 
 from conftest import golden_path, load_reference
-from jaxspec import engine as engine_mod
 from jaxspec import sampling
 from jaxspec.config import FULL, SLIDING, PRESETS, assistant_preset
 from jaxspec.engine import Engine, Request, SamplingParams
+from jaxspec.engine.stopping import Stopping
 from jaxspec.model.weights import load_assistant, load_target, random_assistant_params, random_target_params
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -68,7 +67,7 @@ def plain_reference():
     cfg, params, _, _ = pair()
     prompts = mixed_prompts(cfg, 250, seed=0)
     eng = Engine(cfg, params, draft_mode="off", buckets=(1, 4, 16), max_running=16, page_size=4, max_context=96,
-                 prefill_chunk=8)
+                 prefill_chunk=8, rounds_per_call=1, overlap=False)
     outs, _ = run(eng, prompts, dataclasses.replace(GREEDY, max_new_tokens=20))
     return prompts, outs
 
@@ -137,7 +136,10 @@ def test_no_tracing_after_warmup_is_enforced(monkeypatch):
                  max_context=64, prefill_chunk=8)
     outs, _ = run(eng, mixed_prompts(cfg, 6, seed=4))  # a long run: would raise on any trace
     assert len(outs) == 6
-    eng._verify = {key: jax.jit(eng._verify_program(key[1]), donate_argnums=(1, 8)) for key in eng._verify}
+    programs, R = eng.runner.programs, eng.config.rounds_per_call
+    eng.runner.executables = {
+        key: jax.jit(programs.prefill(key[2]) if key[0] == "prefill" else programs.decode_rounds(R, key[2]),
+                     donate_argnames=("kv", "state")) for key in eng.runner.executables}
     with pytest.raises(RuntimeError, match="no_tracing"):
         run(eng, mixed_prompts(cfg, 2, seed=5))
 
@@ -238,7 +240,7 @@ def test_chi_square_catches_a_wrong_residual(sampling_setup, monkeypatch):
         bad = jax.vmap(lambda kk, p: jax.random.categorical(kk, jnp.log(p)))(keys, p_n).astype(jnp.int32)
         return n, committed.at[jnp.arange(n.shape[0]), n].set(bad)
 
-    monkeypatch.setattr(engine_mod.sampling, "accept", wrong)
+    monkeypatch.setattr(sampling, "accept", wrong)
     triples, _ = sample_triples(cfg, params, acfg, aparams, prompt, SAMPLING, 4000, "bucketed")
     assert chi_square_p(triples, joint, cfg.vocab_size) < 1e-3
 
@@ -263,11 +265,10 @@ def test_stop_string_scan_is_exact_and_decodes_only_a_tail():
                      if any(s in "".join(pieces[i] for i in stream[:n]) for s in stop)), None)
         tok = Tok()
         tok.lengths = []
-        fake = types.SimpleNamespace(eos=set(), tokenizer=tok, k=3, max_context=10**6)
-        fake._stop_seen = lambda r, fake=fake: Engine._stop_seen(fake, r)
+        stopping = Stopping(eos=set(), tokenizer=tok, k=3, max_context=10**6)
         r = Request(prompt_ids=[0], params=SamplingParams(max_new_tokens=len(stream) + 1, stop=stop))
         for lo in range(0, len(stream), 4):  # rounds of up to 4 committed tokens
-            Engine._commit(fake, r, stream[lo:lo + 4], 0.0)
+            stopping.commit(r, stream[lo:lo + 4], 0.0)
             if r.finish_reason:
                 break
         if want is None:

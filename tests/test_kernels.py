@@ -15,9 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.pallas.kv_indices import gather_kv_indices
-from jaxspec.pallas.paged_attention import paged_attention
-from jaxspec.pallas.reference import gather_kv_indices_ref, paged_attention_ref
+from jaxspec.pallas.kv_indices import gather_kv_indices, gather_kv_indices_ref
+from jaxspec.pallas.paged_attention import paged_attention, paged_attention_ref
 
 # The kernel modules silence this at import, but pytest resets warning filters for each test.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")

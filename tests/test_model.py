@@ -47,7 +47,7 @@ def check_against(name, cache, logits, hidden, ref, suffix, tol):
     for t, short in ((FULL, "full"), (SLIDING, "sliding")):
         for kv in "kv":
             want = ref[f"store_{short}_{kv}{suffix}"].transpose(0, 2, 1, 3)  # HF [B, kvh, T, d] -> [B, T, kvh, d]
-            got = np.asarray(cache[f"{t}_{kv}"][-1][:, : want.shape[1]])
+            got = np.asarray(getattr(cache[t], kv)[-1][:, : want.shape[1]])
             np.testing.assert_allclose(got, want, atol=tol, rtol=0, err_msg=f"{name} store {t} {kv}")
 
 

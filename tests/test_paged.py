@@ -13,18 +13,36 @@ import numpy as np
 import pytest
 
 from conftest import golden_path
+from jaxspec.config import FULL
 from jaxspec.model import gemma4
 from jaxspec.model.weights import load_target
-from jaxspec.paged_kv.cache import PagedKVCache
+from jaxspec.paged_kv.cache import LayerKV, PagedKVCache
+from jaxspec.paged_kv.metadata import PageTables, step_metadata
 
 PAGE = 4
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2), static_argnames=("use_kernels",), donate_argnums=(3,))
-def paged_step(params, cfg, spec, arrays, page_table, swa_of_full, tokens, start, num_tokens, use_kernels=True):
-    hidden, arrays = gemma4.paged_forward(params, cfg, spec, arrays, page_table, swa_of_full, tokens, start,
-                                          num_tokens, use_kernels=use_kernels)
-    return gemma4.logits(params, cfg, hidden), arrays
+def paged_step(params, cfg, spec, kv, pages, tokens, cached_len, num_new, use_kernels=True):
+    meta = step_metadata(cfg, spec, pages, cached_len, num_new, tokens.shape[1], use_kernels=use_kernels)
+    hidden, kv = gemma4.paged_forward(params, cfg, kv, meta, tokens, use_kernels=use_kernels)
+    return gemma4.logits(params, cfg, hidden), kv
+
+
+def poison_slots(cache, t, slots, value, layers=slice(None)):
+    stack = cache.kv[t]
+    cache.kv[t] = LayerKV(k=stack.k.at[layers, slots].set(jnp.asarray(value, stack.k.dtype)),
+                          v=stack.v.at[layers, slots].set(jnp.asarray(value, stack.v.dtype)))
+
+
+def fill_free_pages(cache, value):
+    """Overwrite every page no live request owns (dummy page included) with `value`."""
+    for t in cache.kv:
+        owned = cache.pool.owned_full_pages() if t == FULL else cache.pool.owned_swa_pages()
+        n = cache.spec.num_full_pages if t == FULL else cache.spec.num_swa_pages
+        free = np.setdiff1d(np.arange(n), list(owned))
+        poison_slots(cache, t, (free[:, None] * cache.spec.page_size + np.arange(cache.spec.page_size)).reshape(-1),
+                     value)
 
 
 def run_rows(cache, params, rows, T, *, use_kernels=True, bucket=None):
@@ -41,10 +59,10 @@ def run_rows(cache, params, rows, T, *, use_kernels=True, bucket=None):
         assert cache.pool.prepare(rid, s, s + len(toks))
         tokens[b, : len(toks)] = toks
         start[b], n[b] = s, len(toks)
-    pt = cache.pool.page_table([r[0] if r else None for r in rows])
-    logits, cache.arrays = paged_step(params, cache.cfg, cache.spec, cache.arrays, jnp.asarray(pt),
-                                      cache.swa_of_full, jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(n),
-                                      use_kernels=use_kernels)
+    pages = PageTables(page_table=jnp.asarray(cache.pool.page_table([r[0] if r else None for r in rows])),
+                       swa_of_full=cache.swa_of_full)
+    logits, cache.kv = paged_step(params, cache.cfg, cache.spec, cache.kv, pages, jnp.asarray(tokens),
+                                  jnp.asarray(start), jnp.asarray(n), use_kernels=use_kernels)
     return np.asarray(logits)
 
 
@@ -81,7 +99,7 @@ def scenario(cache, params, cfg, seqs, *, use_kernels=True, poison=None):
     # chunked prefill, 8 positions per step, rows of different lengths in one batch (+ one padded row)
     while any(pos[r] < prompt[r] for r in seqs):
         if poison is not None:
-            cache.fill_free_pages(poison)
+            fill_free_pages(cache, poison)
         rows = []
         for rid in seqs:
             if pos[rid] < prompt[rid]:
@@ -177,9 +195,6 @@ def test_requests_cannot_read_each_other():
     full_b = [p for p in pt if p]
     swa_b = [int(cache.pool.swa_of_full[p]) for p in full_b if cache.pool.swa_of_full[p]]
     for t, pages in (("full_attention", full_b), ("sliding_attention", swa_b)):
-        for kv in "kv":
-            a = cache.arrays[f"{t}_{kv}"]
-            slots = (np.asarray(pages)[:, None] * PAGE + np.arange(PAGE)).reshape(-1)
-            cache.arrays[f"{t}_{kv}"] = a.at[:, slots].set(jnp.nan)
+        poison_slots(cache, t, (np.asarray(pages)[:, None] * PAGE + np.arange(PAGE)).reshape(-1), jnp.nan)
     out = run_rows(cache, params, [("a", ids[16:17], 16)], 1)
     np.testing.assert_allclose(out[0, 0], dense_logits(cfg, params, ids[:17])[16], atol=1e-5, rtol=0)

@@ -1,13 +1,14 @@
 """BucketedDrafter: the fast draft path, one compiled executable per batch-size bucket.
 
-Per call only the page-table rows, `cached_len`, the pending tokens and the seed rows move host -> device, into
-bucket-shaped buffers. Inside the one executable: the page-table walk and the SWA translation (`gather_kv_indices`,
+`draft` is the whole propose as one pure function: the page-table walk and the SWA translation (`gather_kv_indices`,
 live entries only), all k steps unrolled over one shared window with one metadata set, the paged attention, the head
-and the argmax. On a GPU XLA captures the whole executable as one command buffer (CUDA graph).
+and the argmax. The engine's round program calls it inside its own executable; `BucketedDrafter` compiles it alone,
+per bucket, for callers that want drafts by themselves (benchmarks, tests). On a GPU XLA captures an executable as one
+command buffer (CUDA graph).
 
-Weights are arguments, never baked-in constants. All buckets are compiled ahead of time on `attach` and again after
-the cache's `rebuild`; calls run under `jax.no_tracing`, so an accidental recompile raises instead of stalling.
-Padded rows use the dummy page and cached_len 0 (they see no key); their drafts are discarded.
+Weights are arguments, never baked-in constants. Buckets are compiled ahead of time (`compile`, called by `attach`;
+call it again after the cache's `rebuild`); calls run under `jax.no_tracing`, so an accidental recompile raises
+instead of stalling. Padded rows use the dummy page and cached_len 0 (they see no key); their drafts are discarded.
 """
 
 from __future__ import annotations
@@ -16,34 +17,42 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.aot import compile_ahead
 from jaxspec.config import AssistantConfig, TargetConfig
 from jaxspec.model.assistant import propose
-from jaxspec.paged_kv.cache import CacheSpec, PagedKVCache, draft_attend, draft_metadata
+from jaxspec.paged_kv.cache import PagedKVCache, draft_attend
+from jaxspec.paged_kv.metadata import CacheSpec, PageTables, draft_metadata
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 # XLA may keep bf16 intermediates in fp32 inside a fusion ("excess precision"); the eager reference runs op by op and
 # rounds every op's output to bf16. On the H200 that difference alone moved bf16 drafts beyond the seed's rule
 # (tests/test_drafter.py::test_bf16_drafts_follow_the_seed_rule); without it the two paths gave identical bf16 drafts.
-# So the buckets round where the model function says to round, exactly like the reference.
+# So programs that draft round where the model function says to round, exactly like the reference.
 DRAFT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 
-def _draft_program(cfg: TargetConfig, acfg: AssistantConfig, spec: CacheSpec, k: int, use_kernels: bool):
+def draft(aparams, target_embed, kv, pages: PageTables, cached_len, pending_token, seed_hidden, *,
+          acfg: AssistantConfig, target: TargetConfig, spec: CacheSpec, k: int, use_kernels: bool):
+    """k draft steps for a batch. cached_len, pending_token: i32[B]; seed_hidden: [B, H_target].
+
+    Returns (drafts i32[B, k], the last h_next [B, H_target]).
+    """
     types = acfg.text.layer_types
-
-    def draft_bucket(aparams, target_embed, arrays, swa_of_full, page_table, cached_len, pending, seed_table,
-                     seed_rows):
-        meta = draft_metadata(cfg, spec, page_table, swa_of_full, cached_len, acfg.text.sliding_window, types,
-                              use_kernels=use_kernels)
-        attend = draft_attend(cfg, types, meta, use_kernels=use_kernels)
-        return propose(aparams, acfg, target_embed, pending, seed_table[seed_rows], cached_len, attend, arrays, k)
-
-    return draft_bucket
+    meta = draft_metadata(spec, pages, cached_len, acfg.text.sliding_window, types, use_kernels=use_kernels)
+    attend = draft_attend(target, types, meta, use_kernels=use_kernels)
+    return propose(aparams, acfg, target_embed, pending_token, seed_hidden, cached_len, attend, kv, k)
 
 
-def _abstract(x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+def chunks(n: int, buckets: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """Row ranges [lo, hi) and their bucket: n rows in chunks of at most the largest bucket, each padded up to the
+    smallest bucket that holds it."""
+    out, lo = [], 0
+    while lo < n:
+        hi = min(n, lo + buckets[-1])
+        out.append((lo, hi, next(b for b in buckets if b >= hi - lo)))
+        lo = hi
+    return out
 
 
 class BucketedDrafter:
@@ -63,67 +72,46 @@ class BucketedDrafter:
         self.compiler_options = {**DRAFT_COMPILER_OPTIONS, **(compiler_options or {})}
         self.cache: PagedKVCache | None = None
         self.executables: dict[int, object] = {}
-        self.compiles = 0  # how many times the buckets were (re)built: attach + each rebuild
+        self.compiles = 0  # how many times the buckets were (re)built
 
     def attach(self, cache: PagedKVCache) -> None:
         self.cache = cache
-        cache.on_rebuild(lambda _: self.compile())
         self.compile()
+
+    def _program(self, aparams, target_embed, kv, pages: PageTables, cached_len, pending_token, seed_table, slot):
+        return draft(aparams, target_embed, kv, pages, cached_len, pending_token, seed_table[slot], acfg=self.acfg,
+                     target=self.cfg, spec=self.cache.spec, k=self.k, use_kernels=self.use_kernels)
 
     def compile(self) -> None:
         """Compile every bucket against the cache's current shapes (ahead of time, off the serving path)."""
-        cache = self.cache
-        fn = jax.jit(_draft_program(self.cfg, self.acfg, cache.spec, self.k, self.use_kernels),
-                     compiler_options=self.compiler_options)
-        Ht = self.acfg.backbone_hidden_size
-        statics = (jax.tree.map(_abstract, self.aparams), _abstract(self.target_embed),
-                   jax.tree.map(_abstract, cache.arrays), _abstract(cache.swa_of_full))
+        cache, i32 = self.cache, jnp.int32
+        seed_table = jax.ShapeDtypeStruct((self.seed_slots, self.acfg.backbone_hidden_size), self.target_embed.dtype)
         self.executables = {}
         for b in self.buckets:
-            i32 = jnp.int32
-            self.executables[b] = fn.lower(
-                *statics,
-                jax.ShapeDtypeStruct((b, cache.spec.max_pages_per_request), i32),
-                jax.ShapeDtypeStruct((b,), i32), jax.ShapeDtypeStruct((b,), i32),
-                jax.ShapeDtypeStruct((self.seed_slots, Ht), self.target_embed.dtype),
-                jax.ShapeDtypeStruct((b,), i32),
-            ).compile()
+            vec = jax.ShapeDtypeStruct((b,), i32)
+            pages = PageTables(page_table=jax.ShapeDtypeStruct((b, cache.spec.max_pages_per_request), i32),
+                               swa_of_full=cache.swa_of_full)
+            self.executables[b] = compile_ahead(self._program, self.aparams, self.target_embed, cache.kv, pages, vec,
+                                                vec, seed_table, vec, compiler_options=self.compiler_options)
         self.compiles += 1
 
-    def bucket_for(self, n: int) -> int:
-        return next((b for b in self.buckets if b >= n), self.buckets[-1])
-
-    def chunks(self, n: int):
-        """Row ranges [lo, hi) and their bucket: batches above the largest bucket are split into bucket-sized chunks."""
-        out, lo = [], 0
-        while lo < n:
-            hi = min(n, lo + self.buckets[-1])
-            out.append((lo, hi, self.bucket_for(hi - lo)))
-            lo = hi
-        return out
-
-    def propose_bucket(self, bucket: int, page_table, cached_len, pending, seed_table, seed_rows):
-        """Inputs already padded to `bucket` rows (host numpy; seed_table on the device). No tracing happens here."""
+    def propose_bucket(self, bucket: int, page_table, cached_len, pending_token, seed_table, slot):
+        """Inputs already padded to `bucket` rows (host numpy; seed_table [slots, H_target] on the device, `slot` the
+        row of each request in it). No tracing happens here."""
         with jax.no_tracing(True):
-            return self.executables[bucket](self.aparams, self.target_embed, self.cache.arrays,
-                                            self.cache.swa_of_full, page_table, cached_len, pending, seed_table,
-                                            seed_rows)
+            pages = PageTables(page_table=page_table, swa_of_full=self.cache.swa_of_full)
+            return self.executables[bucket](self.aparams, self.target_embed, self.cache.kv, pages, cached_len,
+                                            pending_token, seed_table, slot)
 
-    def propose(self, page_table, cached_len, pending, seed_table, seed_rows):
+    def propose(self, page_table, cached_len, pending_token, seed_table, slot):
         """Any batch size: pad to buckets (chunked above the largest), return numpy (drafts [B, k], h_next [B, Ht])."""
         page_table = np.asarray(page_table, np.int32)
-        n = page_table.shape[0]
+        rows = lambda a, lo, hi, pad: np.pad(np.asarray(a, np.int32)[lo:hi], (0, pad))  # noqa: E731
         drafts, hs = [], []
-        for lo, hi, b in self.chunks(n):
+        for lo, hi, b in chunks(page_table.shape[0], self.buckets):
             pad = b - (hi - lo)
-            d, h = self.propose_bucket(
-                b,
-                np.pad(page_table[lo:hi], ((0, pad), (0, 0))),
-                np.pad(np.asarray(cached_len, np.int32)[lo:hi], (0, pad)),
-                np.pad(np.asarray(pending, np.int32)[lo:hi], (0, pad)),
-                seed_table,
-                np.pad(np.asarray(seed_rows, np.int32)[lo:hi], (0, pad)),
-            )
+            d, h = self.propose_bucket(b, np.pad(page_table[lo:hi], ((0, pad), (0, 0))), rows(cached_len, lo, hi, pad),
+                                       rows(pending_token, lo, hi, pad), seed_table, rows(slot, lo, hi, pad))
             drafts.append(np.asarray(d)[: hi - lo])
             hs.append(np.asarray(h)[: hi - lo])
         return np.concatenate(drafts), np.concatenate(hs)

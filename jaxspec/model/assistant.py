@@ -58,7 +58,7 @@ def top_k_ids(x, k: int):
     return jnp.sum(jnp.where(hit, idx, 0), axis=2, dtype=jnp.int32)
 
 
-def _candidates(aparams, acfg: AssistantConfig, hn):
+def candidates(aparams, acfg: AssistantConfig, hn):
     """Centroid head: the token ids of the top-k centroids [B, k * V/C] and their logits (fp32)."""
     c_logits = jnp.einsum("bh,ch->bc", hn, aparams["centroids"], preferred_element_type=acc_dtype(hn.dtype))
     top = top_k_ids(c_logits, acfg.centroid_top_k)  # [B, k]
@@ -74,20 +74,9 @@ def draft_token(aparams, acfg: AssistantConfig, hn):
     if not acfg.use_ordered_embeddings:
         logits = jnp.einsum("bh,vh->bv", hn, aparams["embed"], preferred_element_type=acc_dtype(hn.dtype))
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    cand, sel = _candidates(aparams, acfg, hn)
+    cand, sel = candidates(aparams, acfg, hn)
     best = jnp.max(sel, axis=-1, keepdims=True)
     return jnp.min(jnp.where(sel == best, cand, acfg.vocab_size), axis=-1).astype(jnp.int32)
-
-
-def full_logits(aparams, acfg: AssistantConfig, hn):
-    """The full-vocabulary logits [B, V] as transformers returns them (tests only; the centroid head fills
-    non-candidates with min(candidate logits) - 1)."""
-    if not acfg.use_ordered_embeddings:
-        return jnp.einsum("bh,vh->bv", hn, aparams["embed"], preferred_element_type=acc_dtype(hn.dtype))
-    cand, sel = _candidates(aparams, acfg, hn)
-    base = jnp.min(sel, axis=-1, keepdims=True) - 1.0
-    out = jnp.broadcast_to(base, (hn.shape[0], acfg.vocab_size))
-    return out.at[jnp.arange(hn.shape[0])[:, None], cand].set(sel)
 
 
 def propose(aparams, acfg: AssistantConfig, target_embed, pending, seed_hidden, positions, attend, cache, k: int):

@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import SLIDING, TargetConfig
+from jaxspec.model.attention import attention
 from jaxspec.model.layers import acc_dtype, apply_rope, gated_mlp, gelu_tanh, linear, moe, rms_norm, softcap, sqrt_scale
-from jaxspec.paged_kv.cache import paged_attend, step_metadata
-from jaxspec.pallas.reference import attention
+from jaxspec.paged_kv.cache import LayerKV, paged_attend
+from jaxspec.paged_kv.metadata import StepMetadata
 
 # attend(cache, layer, q [B,T,NH,d], k [B,T,KVH,d] | None, v | None) -> (out [B,T,NH,d], cache)
 Attend = Callable
@@ -97,14 +98,13 @@ def logits(params, cfg: TargetConfig, hidden):
 # ---- the dense cache: the reference the paged cache must match ------------------------------------------------------
 
 
-def init_dense_cache(cfg: TargetConfig, batch: int, max_len: int, dtype) -> dict:
-    """K/V of every non-shared layer: {'{type}_k': [L_type, B, S, KVH, d], '{type}_v': ...}, zero-initialised."""
+def init_dense_cache(cfg: TargetConfig, batch: int, max_len: int, dtype) -> dict[str, LayerKV]:
+    """K/V of every non-shared layer, per attention type: k, v [L_type, B, S, KVH, d], zero-initialised."""
     cache = {}
     for t, layers in cfg.kv_layers.items():
         if layers:
             shape = (len(layers), batch, max_len, cfg.type_kv_heads(t), cfg.type_head_dim(t))
-            cache[f"{t}_k"] = jnp.zeros(shape, dtype)
-            cache[f"{t}_v"] = jnp.zeros(shape, dtype)
+            cache[t] = LayerKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
     return cache
 
 
@@ -116,10 +116,10 @@ def dense_attend(cfg: TargetConfig, positions) -> Attend:
         B = q.shape[0]
         rows = jnp.arange(B)[:, None]
         if k is not None:
-            cache = dict(cache)
-            cache[f"{t}_k"] = cache[f"{t}_k"].at[slot, rows, positions].set(k)
-            cache[f"{t}_v"] = cache[f"{t}_v"].at[slot, rows, positions].set(v)
-        keys, values = cache[f"{t}_k"][slot], cache[f"{t}_v"][slot]
+            stack = cache[t]
+            cache = {**cache, t: LayerKV(k=stack.k.at[slot, rows, positions].set(k),
+                                         v=stack.v.at[slot, rows, positions].set(v))}
+        keys, values = cache[t].k[slot], cache[t].v[slot]
         kpos = jnp.arange(keys.shape[1])[None, None, :]
         qpos = positions[:, :, None]
         valid = kpos <= qpos
@@ -133,8 +133,8 @@ def dense_attend(cfg: TargetConfig, positions) -> Attend:
 def dense_forward(params, cfg: TargetConfig, tokens, start, cache):
     """Process tokens [B, T] at positions start..start+T-1 over a dense cache.
 
-    Returns (logits [B, T, V] fp32, hidden [B, T, H], cache). The store layers' K/V are
-    `cache[f'{type}_k'][-1]` (the last non-shared layer of each type).
+    Returns (logits [B, T, V] fp32, hidden [B, T, H], cache). The store layers' K/V are `cache[type].k[-1]` and
+    `cache[type].v[-1]` (the last non-shared layer of each type).
     """
     T = tokens.shape[1]
     positions = (start + jnp.arange(T, dtype=jnp.int32))[None, :].repeat(tokens.shape[0], 0)
@@ -148,13 +148,10 @@ dense_forward_jit = jax.jit(dense_forward, static_argnums=(1,), donate_argnums=(
 # ---- the paged cache: what the engine runs ---------------------------------------------------------------------------
 
 
-def paged_forward(params, cfg: TargetConfig, spec, arrays, page_table, swa_of_full, tokens, start, num_tokens,
-                  *, use_kernels: bool = True):
-    """Process tokens [B, T] over the paged cache: row b writes positions start[b] .. start[b] + num_tokens[b] - 1
-    (prefill chunk, decode or verify); rows with num_tokens < T are padded and their outputs meaningless.
+def paged_forward(params, cfg: TargetConfig, kv, meta: StepMetadata, tokens, *, use_kernels: bool = True):
+    """Process tokens [B, T] over the paged cache, as `meta` (`paged_kv.metadata.step_metadata`) places them: a
+    prefill chunk, a decode or a verify step; padded positions' outputs are meaningless.
 
-    Returns (hidden [B, T, H], arrays). Logits are taken by the caller on the rows it needs (`logits`).
+    Returns (hidden [B, T, H], kv). Logits are taken by the caller on the rows it needs (`logits`).
     """
-    meta = step_metadata(cfg, spec, page_table, swa_of_full, start, num_tokens, tokens.shape[1],
-                         use_kernels=use_kernels)
-    return forward(params, cfg, tokens, meta["positions"], paged_attend(cfg, meta, use_kernels=use_kernels), arrays)
+    return forward(params, cfg, tokens, meta.positions, paged_attend(cfg, meta, use_kernels=use_kernels), kv)

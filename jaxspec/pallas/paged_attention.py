@@ -1,6 +1,7 @@
-"""Pallas (Triton) kernel: flash-decoding attention over KV rows gathered by slot index.
+"""Pallas (Triton) kernel: flash-decoding attention over KV rows gathered by slot index, and its jnp reference
+(`paged_attention_ref`, the same call; the CPU path and the kernel's test oracle).
 
-Contract: `reference.paged_attention_ref`. Used for decode (Tq=1), verify (Tq=k+1) and the drafter (Tq=1, reads only).
+Used for decode (Tq=1), verify (Tq=k+1) and the drafter (Tq=1, reads only).
 
 Layout: the Tq queries and the G query heads of one kv head are folded into the rows of one query block (row
 r = t * G + g), so a program reads each K/V row once for all of them. Each batch row's live key range
@@ -21,6 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from jaxspec.model.attention import attention
 
 # jax 0.11 lowers pallas_call on GPU to Triton and warns that this backend is deprecated; it is the one we target.
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
@@ -255,3 +258,18 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
         )(o, m, l)
 
     return out[:, :, :rows].reshape(B, KVH, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, NH, D)
+
+
+def paged_attention_ref(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, scale: float = 1.0,
+                        layer: int | None = None):
+    """The reference of `paged_attention` (same arguments; it has no tuning knobs): an XLA gather of every listed
+    slot, then dense masked attention. k_cache / v_cache: [num_slots, KVH, D], or a stack [L, num_slots, KVH, D] read
+    at `layer`. Returns [B, Tq, NH, D] in q.dtype.
+    """
+    if layer is not None:
+        k_cache, v_cache = k_cache[layer], v_cache[layer]
+    width = kv_indices.shape[1]
+    pos = kv_start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, W]
+    valid = (pos[:, None, :] >= q_lo[:, :, None]) & (pos[:, None, :] <= q_hi[:, :, None])
+    idx = jnp.where(jnp.any(valid, axis=1), kv_indices, 0)  # slots no query sees are never dereferenced
+    return attention(q, k_cache[idx], v_cache[idx], valid, scale=scale)

@@ -1,0 +1,118 @@
+"""The runner: owns the device side of the engine (weights, K/V, the decode state) and the compiled programs, one
+per (program, batch bucket, greedy/sampled), all compiled ahead of time through `jaxspec.aot`.
+
+Host -> device traffic per decode call is the slot list and the page tables, and each is uploaded again only when it
+changed (a request's allocation grows by a page every page_size positions); the round state never leaves the device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.aot import compile_ahead
+from jaxspec.draft.bucketed import DRAFT_COMPILER_OPTIONS
+from jaxspec.engine.config import EngineConfig
+from jaxspec.engine.programs import DecodeState, PrefillBatch, Programs, Weights
+from jaxspec.engine.request import Request
+from jaxspec.paged_kv.cache import PagedKVCache
+from jaxspec.paged_kv.metadata import PageTables
+from jaxspec.sampling import SamplingMetadata
+
+UPLOAD_CACHE = 16  # device page tables kept for reuse (one per recent batch composition)
+
+
+class Runner:
+    def __init__(self, config: EngineConfig, programs: Programs, weights: Weights, cache: PagedKVCache):
+        self.config, self.programs, self.weights, self.cache = config, programs, weights, cache
+        cfg = programs.cfg
+        self.state = DecodeState.empty(config.max_running + 1, cfg.hidden_size, weights.target["embed"].dtype)
+        self.executables: dict[tuple, object] = {}
+        self.compiled_variants: set[bool] = set()
+        self._uploads: dict[tuple, tuple[np.ndarray, jax.Array]] = {}
+
+    @property
+    def programs_compiled(self) -> int:
+        return len(self.executables)
+
+    # ---- compiling -------------------------------------------------------------------------------------------------
+
+    def compile(self, sample: bool) -> None:
+        """Compile prefill and decode programs for every bucket (greedy, or the sampled variants)."""
+        if sample in self.compiled_variants:
+            return
+        c, spec, i32 = self.config, self.cache.spec, jnp.int32
+        opts = DRAFT_COMPILER_OPTIONS  # every program rounds where the model says, as the eager reference does
+        for b in c.buckets:
+            vec = lambda dt=i32: jax.ShapeDtypeStruct((b,), dt)  # noqa: E731
+            pages = PageTables(page_table=jax.ShapeDtypeStruct((b, spec.max_pages_per_request), i32),
+                               swa_of_full=self.cache.swa_of_full)
+            smeta = SamplingMetadata(temperature=vec(jnp.float32), top_k=vec(), top_p=vec(jnp.float32), seed=vec())
+            batch = PrefillBatch(tokens=jax.ShapeDtypeStruct((b, c.prefill_chunk), i32), cached_len=vec(),
+                                 num_new=vec(), slot=vec(), last=vec(jnp.bool_), pending_token=vec(),
+                                 num_generated=vec(), max_new_tokens=vec(), ignore_eos=vec(jnp.bool_), sampling=smeta)
+            self.executables[("prefill", b, sample)] = compile_ahead(
+                self.programs.prefill(sample), self.weights, self.cache.kv, self.state, batch, pages,
+                donate_argnames=("kv", "state"), compiler_options=opts)
+            drafts = (jax.ShapeDtypeStruct((b, c.k), i32),) if c.draft_mode == "eager" else ()
+            self.executables[("decode", b, sample)] = compile_ahead(
+                self.programs.decode_rounds(c.rounds_per_call, sample), self.weights, self.cache.kv, self.state,
+                vec(), pages, *drafts, donate_argnames=("kv", "state"), compiler_options=opts)
+        self.compiled_variants.add(sample)
+
+    def rebuild(self) -> None:
+        """After the cache's rebuild (new shapes): forget the old programs and compile the same variants again."""
+        variants = set(self.compiled_variants)
+        self.executables, self.compiled_variants, self._uploads = {}, set(), {}
+        for sample in sorted(variants):
+            self.compile(sample)
+
+    # ---- calling ---------------------------------------------------------------------------------------------------
+
+    def inputs(self, requests: list[Request | None]) -> tuple[jax.Array, PageTables]:
+        """The batch's slots and page tables on the device, uploaded again only when they changed."""
+        key = tuple(id(r) for r in requests)
+        slot = np.asarray([r.slot if r else 0 for r in requests], np.int32)
+        table = self.cache.pool.page_table(requests)
+        hit = self._uploads.get(key)
+        if hit is None or not (np.array_equal(hit[0], table) and np.array_equal(hit[1], slot)):
+            if len(self._uploads) >= UPLOAD_CACHE:
+                self._uploads.pop(next(iter(self._uploads)))
+            hit = self._uploads[key] = (table, slot, *jax.device_put((slot, table)))
+        return hit[2], PageTables(page_table=hit[3], swa_of_full=self.cache.swa_of_full)
+
+    def prefill(self, rows: list[tuple[Request, int, int]], bucket: int) -> np.ndarray:
+        """Run one chunk (positions [start, end) of each request); returns the chosen token per row (host)."""
+        c, B = self.config, bucket
+        tokens = np.zeros((B, c.prefill_chunk), np.int32)
+        cols = {name: np.zeros(B, np.int32) for name in
+                ("cached_len", "num_new", "slot", "pending_token", "num_generated", "max_new_tokens")}
+        last, ignore_eos = np.zeros(B, bool), np.zeros(B, bool)
+        for b, (r, s, e) in enumerate(rows):
+            tokens[b, : e - s] = r.tokens[s:e]
+            recomputed = bool(r.output_ids)
+            for name, value in (("cached_len", s), ("num_new", e - s), ("slot", r.slot),
+                                ("pending_token", r.tokens[-1] if recomputed else -1),
+                                ("num_generated", len(r.output_ids) if recomputed else 1),
+                                ("max_new_tokens", r.params.max_new_tokens)):
+                cols[name][b] = value
+            last[b], ignore_eos[b] = e == r.prefill_end, r.params.ignore_eos
+        requests = [r for r, _, _ in rows]
+        batch = PrefillBatch(tokens=tokens, last=last, ignore_eos=ignore_eos,
+                             sampling=SamplingMetadata.build([r.params for r in requests], B), **cols)
+        sample = any(r.params.temperature > 0 for r in requests)
+        _, pages = self.inputs(requests + [None] * (B - len(rows)))
+        self.cache.kv, self.state, token = self.executables[("prefill", B, sample)](
+            self.weights, self.cache.kv, self.state, batch, pages)
+        return np.asarray(token)
+
+    def decode(self, requests: list[Request], bucket: int, drafts=None) -> jax.Array:
+        """Launch one decode call (rounds_per_call rounds); returns its output on the device, not waited for:
+        i32[bucket, R, k + 2], per round the committed tokens and (last) their count."""
+        slot, pages = self.inputs(requests + [None] * (bucket - len(requests)))
+        sample = any(r.params.temperature > 0 for r in requests)
+        extra = () if drafts is None else (drafts,)
+        self.cache.kv, self.state, out = self.executables[("decode", bucket, sample)](
+            self.weights, self.cache.kv, self.state, slot, pages, *extra)
+        return out

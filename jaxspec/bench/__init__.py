@@ -7,9 +7,11 @@
     e2e       the engine end to end: tokens/s, accept length, the round's time split
     trace     summarise a profiler trace: kernels and modules per round, GPU-busy fraction, gaps between rounds
     memory    KV bytes per request with and without the SWA pool (arithmetic only)
+    goals     goals.json: each project goal from the newest result file that measured it
 
-Each measuring subcommand prints fixed-width tables and writes JSON (--json; default
-bench/results/<subcommand>-<time>.json) with the jax version, the device, the date and the command line.
+Each subcommand but goals prints fixed-width tables and writes JSON (--json; default
+bench/results/<subcommand>-<time>.json) with the jax version, the device, the date and the command line; goals reads
+those files and writes goals.json (--out).
 
 The parser and `main` live here rather than in __main__.py: `python -m` runs __main__ as a fresh module, and the
 package importing it first would load it twice.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxspec.bench import decode, e2e, kernels, memory, propose, trace
+from jaxspec.bench import decode, e2e, goals, kernels, memory, propose, trace
 from jaxspec.bench.common import HBM_BYTES_PER_S, ResultFile, command_line, positive
 from jaxspec.config import ConfigError
 
@@ -34,6 +36,8 @@ SUBCOMMANDS = {
     "memory": (memory.add_args, memory.run),
     "trace": (trace.add_args, trace.run),
 }
+# the same for subcommands that read result files and write their own output, without the measuring options
+REPORTS = {"goals": (goals.add_args, goals.run)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="subcommand", required=True)
     for name, (add_args, run) in SUBCOMMANDS.items():
         add_args(sub.add_parser(name, parents=[common], help=run.__doc__.split("\n")[0]))
+    for name, (add_args, run) in REPORTS.items():
+        add_args(sub.add_parser(name, help=run.__doc__.split("\n")[0]))
     return parser
+
+
+def run_or_exit(run, args) -> dict:
+    """run(args), with a ConfigError printed as one line and turned into exit status 2."""
+    try:
+        return run(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main(argv=None) -> dict:
@@ -60,14 +75,10 @@ def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.command = command_line(argv)
-    _, run = SUBCOMMANDS[args.subcommand]
+    if args.subcommand in REPORTS:
+        return run_or_exit(REPORTS[args.subcommand][1], args)
     out = ResultFile(args)
     args.write_partial = lambda result: out.write(result, partial=True)  # long runs save each row as it lands
-    try:
-        result = run(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    record = out.write(result)
+    record = out.write(run_or_exit(SUBCOMMANDS[args.subcommand][1], args))
     print(f"\nwrote {out.path}")
     return record

@@ -138,8 +138,8 @@ def totals(events) -> dict[str, list]:
 
 
 def summarise(path: str, rounds: int | None = None, top: int = 15) -> dict:
-    """The figures of one trace. Rounds are the executions of the round modules unless `rounds` says how many the
-    trace holds (e2e passes the engine's count); rounds 0: none found, per-round figures are totals."""
+    """The figures of one trace. Rounds are the executions of the round modules unless `rounds` (--rounds, e.g. the
+    e2e row's engine count) says how many the trace holds; rounds 0: none found, per-round figures are totals."""
     kernels, executions = device_events(path)
     if not kernels:
         raise NoDeviceKernels(f"no device kernels in {path} (a CPU trace has no /device: planes; profile on a GPU)")

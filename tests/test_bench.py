@@ -1,14 +1,18 @@
 """Smoke test of `python -m jaxspec.bench` on the CPU: every subcommand runs on tiny shapes and writes the rows and
 keys it promises. No timing is asserted: figures come from the GPU, never from tests."""
 
+import argparse
 import json
 
+import numpy as np
 import pytest
 
 from jaxspec import bench
+from jaxspec.bench import trace
 from jaxspec.config import TINY
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore:builtin type event_stats has no __module__:DeprecationWarning")]
 
 
 def run(tmp_path, *argv):
@@ -92,13 +96,21 @@ def test_e2e(tmp_path):
         assert {"draft_ms_per_round", "verify_ms_per_round", "host_ms_per_round"} <= set(e)
 
 
-def test_e2e_profile_then_trace_summary(tmp_path):
+def test_e2e_profile_then_trace_summary(tmp_path, capsys):
+    """The profiled e2e row carries the trace's figures, None on the CPU (its trace has no device kernels); `trace`
+    on that CPU trace, or on a folder without one, says so in one line and exits 2. The summary of a trace with
+    device kernels: test_trace_summary_of_a_gpu_trace."""
     prof = str(tmp_path / "prof")
-    run(tmp_path, "e2e", "--preset", "tiny", "--bs", "1", "--modes", "bucketed", "--prompt-len", "8",
-        "--new-tokens", "4", "--chunk", "8", "--page-size", "4", "--profile-dir", prof)
-    r = run(tmp_path, "trace", prof)
-    assert r["trace"].startswith(prof) and r["trace"].endswith(".xplane.pb")
-    assert isinstance(r["kernels"], list) and isinstance(r["modules"], list)
+    r = run(tmp_path, "e2e", "--preset", "tiny", "--bs", "1", "--modes", "bucketed", "--prompt-len", "8",
+            "--new-tokens", "4", "--chunk", "8", "--page-size", "4", "--profile-dir", prof)
+    (row,) = r["rows"]
+    assert row["gpu_busy_fraction"] is None and row["round_gap_us"] is None
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run(tmp_path, "trace", prof)
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "no device kernels" in line
     with pytest.raises(SystemExit) as e:  # no trace there: one line, exit 2
         (tmp_path / "empty").mkdir()
         run(tmp_path, "trace", str(tmp_path / "empty"))
@@ -122,3 +134,124 @@ def test_e2e_with_checkpoint_folders(tmp_path):
     with pytest.raises(SystemExit) as e:  # --model without --prompts: one line, exit 2
         run(tmp_path, "e2e", "--model", golden_path("e2b", "target"))
     assert e.value.code == 2
+
+
+def test_e2e_requests_rounds_per_call_overlap(tmp_path, monkeypatch):
+    """--requests N runs N prompts with at most bs at once; each --rounds-per-call x --overlap pair is a row, and they
+    reach the Engine as keywords only when given (a subclass that takes them stands in for the engine of DESIGN.md
+    §9); an engine without them is a one-line error."""
+    from jaxspec.bench import e2e
+    from jaxspec.config import ConfigError
+    from jaxspec.engine import Engine
+
+    seen = []
+
+    class Recording(Engine):
+        def __init__(self, *args, rounds_per_call=None, overlap=None, **kwargs):
+            seen.append((rounds_per_call, overlap, kwargs["max_running"]))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(e2e, "Engine", Recording)
+    r = run(tmp_path, "e2e", "--preset", "tiny", "--bs", "2", "--requests", "3", "--modes", "off",
+            "--rounds-per-call", "1,2", "--overlap", "off", "--prompt-len", "12", "--new-tokens", "6", "--chunk", "8",
+            "--page-size", "4")
+    assert seen == [(1, False, 2), (2, False, 2)]
+    assert [(e["rounds_per_call"], e["overlap"], e["requests"]) for e in r["rows"]] == [(1, False, 3), (2, False, 3)]
+    assert all(e["generated_tokens"] == 3 * 6 and "throughput_tokens_per_s" in e for e in r["rows"])
+    assert r["prompt_len"] == 12 and r["new_tokens"] == 6
+
+    class Plain:
+        def __init__(self, cfg, params, *, acfg, aparams, k, draft_mode, buckets, max_running, page_size,
+                     max_context, prefill_chunk):
+            pass
+
+    monkeypatch.setattr(e2e, "Engine", Plain)
+    args = argparse.Namespace(k=3, page_size=4, prompt_len=12, new_tokens=6, chunk=8)
+    pair = e2e.Pair(TINY, {}, None, {})
+    assert isinstance(e2e.make_engine(pair, 2, "off", args), Plain)
+    with pytest.raises(ConfigError, match="rounds_per_call"):
+        e2e.make_engine(pair, 2, "off", args, rounds_per_call=2)
+
+
+def test_interval_arithmetic_against_a_per_ns_count():
+    """union / busy_fraction / idle_after on random integer intervals against counting covered nanoseconds."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        intervals = [(int(s), int(s + d)) for s, d in zip(rng.integers(0, 100, rng.integers(1, 8)),
+                                                            rng.integers(1, 30, 8))]
+        covered = np.zeros(140, bool)
+        for s, e in intervals:
+            covered[s:e] = True
+        merged = trace.union(intervals)
+        assert all(a[1] < b[0] for a, b in zip(merged, merged[1:]))  # sorted, disjoint, not touching
+        assert sum(e - s for s, e in merged) == covered.sum()
+        wall = max(e for _, e in intervals) - min(s for s, _ in intervals)
+        assert trace.busy_fraction(intervals) == pytest.approx(covered.sum() / wall)
+        times = rng.integers(0, 140, 6).tolist()
+        expected = [0 if covered[t] else int(np.argmax(covered[t:])) for t in times if covered[t:].any()]
+        assert trace.idle_after(merged, times) == expected
+    assert trace.busy_fraction([]) is None
+
+
+def test_module_executions():
+    """Kernels of one module in a row are one execution, split where its first kernel comes again (a program
+    launched twice back to back) or where the module changes; kernels without a module (copies) belong to none."""
+    K = trace.Event
+    kernels = [K("a", "jit_round", 0, 1), K("copy", "", 1, 2), K("b", "jit_round", 2, 3), K("a", "jit_round", 3, 4),
+               K("b", "jit_round", 4, 6), K("x", "jit_draft", 7, 8), K("a", "jit_round", 9, 10)]
+    assert trace.module_executions(kernels) == [K("jit_round", "jit_round", 0, 3), K("jit_round", "jit_round", 3, 6),
+                                                K("jit_draft", "jit_draft", 7, 8), K("jit_round", "jit_round", 9, 10)]
+    assert [trace.is_round_module(n) for n in ("jit_verify_step(7)", "jit_round_program", "jit_draft_bucket",
+                                               "jit_prefill_step")] == [True, True, False, False]
+
+
+def write_gpu_trace(directory, kernels) -> str:
+    """A hand-made GPU profiler trace (an XSpace, serialised as jax writes it): one /device:GPU:0 plane whose
+    `Stream #s` lines hold `kernels` [(stream, name, hlo_module, start_ns, end_ns)], as the raw traces of the H200
+    runs do (no `XLA Modules` line; the module is a kernel stat, with program_id 7)."""
+    from jax.profiler import ProfileData
+
+    names = sorted({k[1] for k in kernels} | {k[2] for k in kernels})
+    meta = {name: i + 1 for i, name in enumerate(names)}
+    lines = []
+    for stream in sorted({k[0] for k in kernels}):
+        events = "".join(
+            f"events {{ metadata_id: {meta[name]} offset_ps: {start * 1000} duration_ps: {(end - start) * 1000} "
+            + (f"stats {{ metadata_id: 1001 ref_value: {meta[module]} }} stats {{ metadata_id: 1002 int64_value: 7 }} "
+               if module else "") + "} "
+            for s, name, module, start, end in kernels if s == stream)
+        lines.append(f'lines {{ id: {stream} name: "Stream #{stream}(Kernel)" timestamp_ns: 0 {events}}}')
+    text = ('planes { id: 1 name: "/device:GPU:0" ' + " ".join(lines)
+            + "".join(f' event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}' for n, i in meta.items())
+            + "".join(f' stat_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}' for n, i in meta.items())
+            + ' stat_metadata { key: 1001 value { id: 1001 name: "hlo_module" } }'
+            + ' stat_metadata { key: 1002 value { id: 1002 name: "program_id" } } }')
+    path = directory / "plugins" / "profile" / "1" / "gpu.xplane.pb"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(ProfileData.text_proto_to_serialized_xspace(text))
+    return str(path)
+
+
+def test_trace_summary_of_a_gpu_trace(tmp_path):
+    """Three rounds 1000 ns apart, each a draft (0-200 ns) then a verify (250-700 ns) on stream 1 and a copy
+    (300-400 ns) on stream 2 under the verify: busy 650 of every 1000 ns but the last round's 300 idle ns, which the
+    wall time (first kernel start to last kernel end) leaves out; 300 ns idle after each round but the last."""
+    kernels = []
+    for base in (0, 1000, 2000):
+        kernels += [(1, "d1", "jit_draft_bucket", base, base + 100), (1, "d2", "jit_draft_bucket", base + 100,
+                                                                       base + 200),
+                    (1, "v1", "jit_verify_step", base + 250, base + 500),
+                    (1, "v2", "jit_verify_step", base + 500, base + 700), (2, "copy", "", base + 300, base + 400)]
+    prof = tmp_path / "prof"
+    path = write_gpu_trace(prof, kernels)
+    r = run(tmp_path, "trace", str(prof))
+    assert r["trace"].startswith(str(prof)) and r["trace"].endswith(".xplane.pb") and r["trace"] == path
+    assert isinstance(r["kernels"], list) and isinstance(r["modules"], list)
+    assert r["rounds"] == 3
+    assert r["gpu_busy_fraction"] == pytest.approx(3 * 650 / 2700)
+    assert r["decode_wall_us"] == pytest.approx(2.7) and r["round_gap_us"] == pytest.approx(0.3)
+    assert r["kernel_launches_per_round"] == 5 and r["module_executions_per_round"] == 2
+    assert {m["module"]: (m["calls"], m["us_per_round"]) for m in r["modules"]} == {
+        "jit_verify_step(7)": (3, pytest.approx(0.45)), "jit_draft_bucket(7)": (3, pytest.approx(0.2))}
+    assert r["kernel_us_per_round"] == pytest.approx(0.2 + 0.45 + 0.1)
+    assert run(tmp_path, "trace", str(prof), "--rounds", "6")["kernel_launches_per_round"] == 2.5

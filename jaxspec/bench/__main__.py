@@ -1,0 +1,3 @@
+from jaxspec.bench import main
+
+main()

@@ -1,0 +1,164 @@
+"""`bench decode` and `bench verify`: one target step over the cache against the HBM bound.
+
+decode: one position per row (T = 1) over the dense cache and the paged cache (Pallas kernels). verify: the step of a
+speculative round, k + 1 positions per row over the paged cache. The bound is the bytes the step must read once
+(every weight, the K/V of every layer) over the HBM bandwidth; a row's `step/bound` is how far the step is from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.bench.common import (DTYPE, NUM_SETS, PRESET_NAMES, gib, median_us, memory_note, paged_cache, positive,
+                                  print_table, profile_calls, randomize, sizes)
+from jaxspec.config import LAYER_TYPES, SLIDING, TargetConfig, bench_pair
+from jaxspec.model import gemma4
+from jaxspec.model.weights import random_target_params
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnums=(1,))
+def paged_decode_step(params, arrays, page_table, swa_of_full, tokens, start, num_tokens, *, cfg, spec):
+    """One target step over the paged cache (Pallas kernels) -> (fp32 logits of the last position [B, V], arrays)."""
+    hidden, arrays = gemma4.paged_forward(params, cfg, spec, arrays, page_table, swa_of_full, tokens, start,
+                                          num_tokens, use_kernels=True)
+    return gemma4.logits(params, cfg, hidden[:, -1]), arrays
+
+
+def decode_bytes(cfg: TargetConfig, params, bs: int, ctx: int) -> dict[str, int]:
+    """Bytes one decode step at position ctx - 1 must read, each once: every weight (the embedding only as the tied
+    LM head, plus the PLE rows of the batch's tokens; MoE experts only the at most bs * top_k used), and the K/V of
+    every layer (sliding min(ctx, W) positions, full ctx; a KV-shared layer reads its store layer's K/V again)."""
+    out = {"lm_head": params["embed"].nbytes}
+    ple = params.get("ple_embed")
+    out["ple_rows"] = 0 if ple is None else bs * ple.shape[1] * ple.dtype.itemsize
+    out["globals"] = sum(a.nbytes for name, a in params.items() if name not in ("embed", "ple_embed", "layers"))
+    used = min(cfg.num_experts, bs * cfg.top_k_experts) / cfg.num_experts if cfg.enable_moe_block else 1.0
+    out["layers"] = int(sum(a.nbytes * (used if name.startswith("experts_") else 1)
+                            for group in params["layers"].values() for name, a in group.items()))
+    item = jnp.dtype(DTYPE).itemsize
+    for t in LAYER_TYPES:
+        positions = min(ctx, cfg.sliding_window) if t == SLIDING else ctx
+        layers = sum(1 for lt in cfg.layer_types if lt == t)
+        out[f"kv_{t.split('_')[0]}"] = layers * bs * positions * cfg.type_kv_heads(t) * cfg.type_head_dim(t) * 2 * item
+    out["total"] = sum(out.values())
+    return out
+
+
+def step_args(p: argparse.ArgumentParser) -> None:
+    """The options decode and verify share."""
+    p.add_argument("--preset", choices=PRESET_NAMES, default="E4B")
+    p.add_argument("--bs", type=sizes, default=[1, 16])
+    p.add_argument("--ctx", type=sizes, default=[4096], help="positions in the cache after the step")
+    p.add_argument("--chunk", type=positive, default=256, help="prefill chunk: the pool's max_step_tokens")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    step_args(p)
+    p.add_argument("--cache", choices=("dense", "paged", "both"), default="both")
+    p.add_argument("--unstacked", action="store_true", help="also time the paged step with per-layer weight leaves "
+                   "(one array per layer instead of one stack per layer group)")
+
+
+def dense_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, seed: int):
+    """A decode step at position ctx - 1 over a dense [bs, ctx] cache of random K/V (donated, threaded through the
+    calls). Returns (call(i) -> logits, jit argument leaves, memory note)."""
+    box = [gemma4.init_dense_cache(cfg, bs, ctx, DTYPE)]
+    randomize(box[0], seed)
+    start = jnp.int32(ctx - 1)
+
+    def call(i):
+        logits, _, box[0] = gemma4.dense_forward_jit(params, cfg, tokens[i], start, box[0])
+        return logits
+
+    return call, len(jax.tree.leaves((params, tokens[0], start, box[0]))), memory_note(box[0])
+
+
+def paged_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, args):
+    """The same step over a paged cache through the Pallas kernels: each request holds ctx - T positions and the
+    step writes the last T (T = 1: decode; T = k + 1: a verify step)."""
+    T = tokens[0].shape[1]
+    cache, rids = paged_cache(cfg, bs, ctx - T, max_context=ctx, page_size=args.page_size,
+                              max_step_tokens=max(args.chunk, T), seed=args.seed)
+    for rid in rids:
+        cache.pool.prepare(rid, ctx - T, ctx)
+    fixed = (jnp.asarray(cache.pool.page_table(rids)), cache.swa_of_full)
+    start, num_tokens = jnp.full(bs, ctx - T, jnp.int32), jnp.full(bs, T, jnp.int32)
+    box = [cache.arrays]
+
+    def call(i):
+        logits, box[0] = paged_decode_step(params, box[0], *fixed, tokens[i], start, num_tokens, cfg=cfg,
+                                           spec=cache.spec)
+        return logits
+
+    leaves = len(jax.tree.leaves((params, box[0], fixed, tokens[0], start, num_tokens)))
+    return call, leaves, memory_note(box[0])
+
+
+def run(args) -> dict:
+    """One target decode step (T=1): dense cache vs paged cache (Pallas kernels), against the HBM bound."""
+    cfg = bench_pair(args.preset)[0]
+    params = random_target_params(cfg, args.seed, dtype=DTYPE)
+    weights = sum(a.nbytes for a in jax.tree.leaves(params))
+    print(f"{args.preset}: weights {gib(weights)} in {len(jax.tree.leaves(params))} leaves")
+    rng = np.random.default_rng(args.seed)
+    modes = ("dense", "paged") if args.cache == "both" else (args.cache,)
+    if args.unstacked:
+        modes += ("paged-unstacked",)
+        unstacked = dict(params, layers={g: {n: tuple(a[i] for i in range(a.shape[0])) for n, a in w.items()}
+                                         for g, w in params["layers"].items()})
+    rows, needs = [], []
+    for ctx in args.ctx:
+        for bs in args.bs:
+            need = decode_bytes(cfg, params, bs, ctx)
+            needs.append({"bs": bs, "ctx": ctx, **need})
+            T = getattr(args, "positions", 1)
+            tokens = [jnp.asarray(rng.integers(0, cfg.vocab_size, (bs, T)), jnp.int32) for _ in range(NUM_SETS)]
+            for mode in modes:
+                if mode == "dense":
+                    call, leaves, note = dense_decode(params, cfg, bs, ctx, tokens, args.seed)
+                elif mode == "paged":
+                    call, leaves, note = paged_decode(params, cfg, bs, ctx, tokens, args)
+                else:
+                    call, leaves, note = paged_decode(unstacked, cfg, bs, ctx, tokens, args)
+                step_us = median_us(call, args.iters)
+                if mode == "paged":
+                    profile_calls(args, call, f"paged step of {T} position(s), bs {bs} ctx {ctx}")
+                bound_us = need["total"] / args.hbm_bw * 1e6
+                rows.append({"cache": mode, "bs": bs, "ctx": ctx, "positions": T, "step_ms": step_us / 1e3,
+                             "tokens_per_s": bs / step_us * 1e6, "bound_ms": bound_us / 1e3,
+                             "step/bound": step_us / bound_us, "jit_leaves": leaves, "memory": note})
+                print(f"step of {T} position(s), {mode} bs {bs} ctx {ctx}: {step_us / 1e3:.3f} ms; {note}")
+                # This figure's K/V (GiBs at bs 16) must be gone before the next figure allocates its own; the
+                # collector also frees it if a reference cycle through the cache still holds it.
+                del call
+                gc.collect()
+    keys = [k for k in needs[0] if k not in ("bs", "ctx")]
+    print_table(f"MiB one decode step reads, each once (the HBM bound is total / {args.hbm_bw:.3g} B/s)",
+                [("bs", "bs", "{}"), ("ctx", "ctx", "{}")] + [(k, k, "{:.1f}") for k in keys],
+                [{**n, **{k: n[k] / 2**20 for k in keys}} for n in needs])
+    print_table(f"target step (T={getattr(args, 'positions', 1)}) of {args.preset}, random bf16", [
+        ("cache", "cache", "{}"), ("bs", "bs", "{}"), ("ctx", "ctx", "{}"), ("step_ms", "ms/step", "{:.3f}"),
+        ("tokens_per_s", "tok/s", "{:.0f}"), ("bound_ms", "bound_ms", "{:.3f}"),
+        ("step/bound", "step/bound", "{:.2f}"), ("jit_leaves", "jit_leaves", "{}")], rows)
+    return {"preset": args.preset, "rows": rows, "bytes": needs, "weight_bytes": weights}
+
+
+# ---- verify: the target step of a speculative round (k + 1 positions) ------------------------------------------------
+
+
+def add_verify_args(p: argparse.ArgumentParser) -> None:
+    step_args(p)
+    p.add_argument("-k", type=positive, default=3, help="drafts verified per step (the step runs k + 1 positions)")
+
+
+def run_verify(args) -> dict:
+    """One verify step (k + 1 positions per row) over the paged cache, against the HBM bound (the bytes of a decode
+    step: weights once, K/V once)."""
+    args.positions, args.cache, args.unstacked = args.k + 1, "paged", False
+    return run(args)

@@ -22,7 +22,7 @@ import jaxlib
 import numpy as np
 
 from jaxspec.config import PRESETS, TargetConfig
-from jaxspec.paged_kv.cache import PagedKVCache
+from jaxspec.paged_kv.cache import LayerKV, PagedKVCache
 from jaxspec.paged_kv.pool import swa_pages_bound_for
 
 DTYPE = jnp.bfloat16
@@ -102,9 +102,9 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def memory_note(arrays) -> str:
+def memory_note(kv) -> str:
     """K/V bytes held and, where the backend reports it, device memory in use and its peak."""
-    note = f"K/V arrays {gib(sum(a.nbytes for a in jax.tree.leaves(arrays)))}"
+    note = f"K/V arrays {gib(sum(a.nbytes for a in jax.tree.leaves(kv)))}"
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_in_use" in stats:
         note += f"; device in use {gib(stats['bytes_in_use'])}, peak {gib(stats.get('peak_bytes_in_use', 0))}"
@@ -151,13 +151,17 @@ def _fill_layer(stack, key, layer):
     return stack.at[layer].set(jax.random.normal(key, stack.shape[1:], stack.dtype))
 
 
-def randomize(arrays: dict, seed: int) -> None:
-    """Random values in every stack [L, ...] of `arrays`, in place, one layer at a time (a 64 x 32K E4B cache has
-    17 GB stacks: drawing a whole one at once would need that much again)."""
+def randomize(kv: dict, seed: int) -> None:
+    """Random values in every K/V stack [L, ...] of `kv` ({type: LayerKV}), in place, one layer at a time (a 64 x
+    32K E4B cache has 17 GB stacks: drawing a whole one at once would need that much again)."""
     key = jax.random.PRNGKey(seed)
-    for n, name in enumerate(sorted(arrays)):
-        for layer in range(arrays[name].shape[0]):
-            arrays[name] = _fill_layer(arrays[name], jax.random.fold_in(key, 1000 * n + layer), layer)
+    for n, t in enumerate(sorted(kv)):
+        stacks = {}
+        for m, (name, stack) in enumerate(sorted(vars(kv[t]).items())):
+            for layer in range(stack.shape[0]):
+                stack = _fill_layer(stack, jax.random.fold_in(key, 1000 * (2 * n + m) + layer), layer)
+            stacks[name] = stack
+        kv[t] = LayerKV(**stacks)
 
 
 def paged_cache(cfg: TargetConfig, num_requests: int, cached: int, *, max_context: int, page_size: int,
@@ -175,7 +179,7 @@ def paged_cache(cfg: TargetConfig, num_requests: int, cached: int, *, max_contex
         for rid in rids:
             if not cache.pool.prepare(rid, start, min(cached, start + max_step_tokens)):
                 raise RuntimeError(f"the benchmark's pool is too small at request {rid}, position {start}")
-    randomize(cache.arrays, seed)
+    randomize(cache.kv, seed)
     return cache, rids
 
 

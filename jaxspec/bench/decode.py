@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +19,15 @@ from jaxspec.bench.common import (DTYPE, NUM_SETS, PRESET_NAMES, gib, median_us,
 from jaxspec.config import LAYER_TYPES, SLIDING, TargetConfig, bench_pair
 from jaxspec.model import gemma4
 from jaxspec.model.weights import random_target_params
+from jaxspec.paged_kv.metadata import PageTables, step_metadata
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnums=(1,))
-def paged_decode_step(params, arrays, page_table, swa_of_full, tokens, start, num_tokens, *, cfg, spec):
-    """One target step over the paged cache (Pallas kernels) -> (fp32 logits of the last position [B, V], arrays)."""
-    hidden, arrays = gemma4.paged_forward(params, cfg, spec, arrays, page_table, swa_of_full, tokens, start,
-                                          num_tokens, use_kernels=True)
-    return gemma4.logits(params, cfg, hidden[:, -1]), arrays
+def paged_decode_step(params, kv, pages: PageTables, tokens, cached_len, num_new, *, cfg, spec):
+    """One target step over the paged cache (Pallas kernels) -> (fp32 logits of the last position [B, V], kv)."""
+    meta = step_metadata(cfg, spec, pages, cached_len, num_new, tokens.shape[1], use_kernels=True)
+    hidden, kv = gemma4.paged_forward(params, cfg, kv, meta, tokens, use_kernels=True)
+    return gemma4.logits(params, cfg, hidden[:, -1]), kv
 
 
 def decode_bytes(cfg: TargetConfig, params, bs: int, ctx: int) -> dict[str, int]:
@@ -87,16 +87,16 @@ def paged_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, args):
                               max_step_tokens=max(args.chunk, T), seed=args.seed)
     for rid in rids:
         cache.pool.prepare(rid, ctx - T, ctx)
-    fixed = (jnp.asarray(cache.pool.page_table(rids)), cache.swa_of_full)
-    start, num_tokens = jnp.full(bs, ctx - T, jnp.int32), jnp.full(bs, T, jnp.int32)
-    box = [cache.arrays]
+    pages = PageTables(page_table=jnp.asarray(cache.pool.page_table(rids)), swa_of_full=cache.swa_of_full)
+    cached_len, num_new = jnp.full(bs, ctx - T, jnp.int32), jnp.full(bs, T, jnp.int32)
+    box = [cache.kv]
 
     def call(i):
-        logits, box[0] = paged_decode_step(params, box[0], *fixed, tokens[i], start, num_tokens, cfg=cfg,
+        logits, box[0] = paged_decode_step(params, box[0], pages, tokens[i], cached_len, num_new, cfg=cfg,
                                            spec=cache.spec)
         return logits
 
-    leaves = len(jax.tree.leaves((params, box[0], fixed, tokens[0], start, num_tokens)))
+    leaves = len(jax.tree.leaves((params, box[0], pages, tokens[0], cached_len, num_new)))
     return call, leaves, memory_note(box[0])
 
 
@@ -134,10 +134,7 @@ def run(args) -> dict:
                              "tokens_per_s": bs / step_us * 1e6, "bound_ms": bound_us / 1e3,
                              "step/bound": step_us / bound_us, "jit_leaves": leaves, "memory": note})
                 print(f"step of {T} position(s), {mode} bs {bs} ctx {ctx}: {step_us / 1e3:.3f} ms; {note}")
-                # This figure's K/V (GiBs at bs 16) must be gone before the next figure allocates its own; the
-                # collector also frees it if a reference cycle through the cache still holds it.
-                del call
-                gc.collect()
+                del call  # this figure's K/V (GiBs at bs 16) goes before the next figure allocates its own
     keys = [k for k in needs[0] if k not in ("bs", "ctx")]
     print_table(f"MiB one decode step reads, each once (the HBM bound is total / {args.hbm_bw:.3g} B/s)",
                 [("bs", "bs", "{}"), ("ctx", "ctx", "{}")] + [(k, k, "{:.1f}") for k in keys],

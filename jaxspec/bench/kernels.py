@@ -18,8 +18,7 @@ from jaxspec.config import ConfigError
 from jaxspec.paged_kv.cache import round_width
 from jaxspec.paged_kv.pool import swa_pages_bound_for
 from jaxspec.pallas.kv_indices import gather_kv_indices
-from jaxspec.pallas.paged_attention import paged_attention
-from jaxspec.pallas.reference import paged_attention_ref
+from jaxspec.pallas.paged_attention import paged_attention, paged_attention_ref
 
 ATTN_HEADS, ATTN_KV_HEADS = 8, 2  # E4B: 8 query heads over 2 KV heads in both layer types
 

@@ -7,7 +7,6 @@ op (the reference path). Both read one paged cache of random K/V at cached_len =
 from __future__ import annotations
 
 import argparse
-import gc
 
 import jax
 import numpy as np
@@ -48,7 +47,7 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
     cfg, acfg, aparams, target_embed = model
     cache, rids = paged_cache(cfg, num_requests, ctx, max_context=ctx, page_size=args.page_size,
                               max_step_tokens=max(args.chunk, args.k + 1), seed=args.seed + ctx)
-    note = memory_note(cache.arrays)
+    note = memory_note(cache.kv)
     print(f"ctx {ctx}: {num_requests} requests; {note}")
     kw = dict(buckets=args.bs, seed_slots=num_requests + 1)
     drafters = {"bucketed": BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw)}
@@ -95,9 +94,6 @@ def run(args) -> dict:
     for ctx in args.ctx:
         rows += propose_rows(args, (cfg, acfg, aparams, target_embed), ctx, num_requests, eager_iters, rng)
         args.write_partial({"preset": args.preset, "eager_iters": eager_iters, "rows": rows})
-        # The cache and its drafters reference each other (rebuild callbacks), so only the cycle collector frees
-        # this ctx's K/V (GiBs) before the next ctx allocates its own.
-        gc.collect()
     print_table(f"propose, k={args.k}: drafter of {args.preset} (hidden {acfg.hidden_size}, "
                 f"{acfg.text.num_layers} layers, {acfg.num_centroids} centroids top-{acfg.centroid_top_k}), "
                 f"paged cache page {args.page_size}, random bf16", [

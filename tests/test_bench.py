@@ -93,7 +93,7 @@ def test_e2e(tmp_path):
     assert [(e["bs"], e["mode"], e["k"]) for e in r["rows"]] == [(2, "off", 0), (2, "bucketed", 3)]
     for e in r["rows"]:
         assert e["decode_tokens_per_s"] > 0 and e["mean_accept_length"] >= 1.0
-        assert {"draft_ms_per_round", "verify_ms_per_round", "host_ms_per_round"} <= set(e)
+        assert {"launch_ms_per_round", "wait_ms_per_round", "host_ms_per_round", "calls"} <= set(e)
 
 
 def test_e2e_profile_then_trace_summary(tmp_path, capsys):

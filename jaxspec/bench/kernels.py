@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxspec.bench.common import DTYPE, NUM_SETS, dispatch_floor, median_us, positive, print_table, sizes
 from jaxspec.config import ConfigError
-from jaxspec.paged_kv.cache import round_width
+from jaxspec.paged_kv.metadata import round_width
 from jaxspec.paged_kv.pool import swa_pages_bound_for
 from jaxspec.pallas.kv_indices import gather_kv_indices
 from jaxspec.pallas.paged_attention import paged_attention, paged_attention_ref

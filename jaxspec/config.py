@@ -25,23 +25,6 @@ class ConfigError(ValueError):
     """A config, checkpoint or argument that jaxspec cannot use; the CLI prints it as one line and exits 2."""
 
 
-def read_jsonl(path: str) -> list[tuple[int, Any]]:
-    """(line number, parsed value) of each non-blank line of a JSONL file; a missing file or a line that is not JSON
-    is a ConfigError naming the file and line."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"prompts file not found: {path}")
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append((n, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{n}: not JSON ({e.msg})") from None
-    return out
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Rope:
     theta: float

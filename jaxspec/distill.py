@@ -39,59 +39,13 @@ import optax
 
 from jaxspec import corpus
 from jaxspec.cli import Parser, run_cli
-from jaxspec.config import (
-    FULL,
-    SLIDING,
-    AssistantConfig,
-    ConfigError,
-    Rope,
-    TargetConfig,
-    assistant_config_from_dict,
-    check_pair,
-)
+from jaxspec.config import SLIDING, AssistantConfig, ConfigError, TargetConfig, check_pair
 from jaxspec.model import gemma4
+from jaxspec.model.hf import assistant_config_from_dict, assistant_generation_config, assistant_hf_config
 from jaxspec.model.assistant import draft_hidden
 from jaxspec.model.packed import pack_assistant, save_assistant
 from jaxspec.model.weights import F32_LEAVES, compute_dtype, load_target, random_assistant_params
 from jaxspec.pallas.reference import attention
-
-
-# ---- the assistant's config (HF layout, so the in-memory config is the one `load_assistant` reads) ------------------
-
-
-def _rope_dict(rope: Rope) -> dict:
-    if rope.partial_factor != 1.0:
-        d = {"rope_type": "proportional", "rope_theta": rope.theta, "partial_rotary_factor": rope.partial_factor}
-        return d | ({"factor": rope.scale} if rope.scale != 1.0 else {})
-    if rope.scale != 1.0:
-        return {"rope_type": "linear", "rope_theta": rope.theta, "factor": rope.scale}
-    return {"rope_type": "default", "rope_theta": rope.theta}
-
-
-def assistant_hf_config(cfg: TargetConfig, *, hidden_size: int = 256, num_layers: int = 4, num_heads: int = 4,
-                        intermediate_size: int = 2048) -> dict:
-    """config.json of a plain-head drafter for `cfg`: the public drafters' sizes by default, layer types
-    [S, ..., S, F] (or one type where the target stores only one), attention geometry and RoPE of the target's."""
-    if min(hidden_size, num_layers, num_heads, intermediate_size) < 1:
-        raise ConfigError("assistant hidden size, layers, heads and intermediate size must be >= 1")
-    stored = [t for t in (SLIDING, FULL) if t in cfg.store_layers]
-    types = [stored[0]] * (num_layers - 1) + [stored[-1]]
-    text = {
-        "model_type": "gemma4_text", "vocab_size": cfg.vocab_size, "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size, "num_hidden_layers": num_layers, "num_attention_heads": num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "global_head_dim": cfg.global_head_dim,
-        "attention_k_eq_v": cfg.attention_k_eq_v, "num_global_key_value_heads": cfg.num_global_kv_heads,
-        "layer_types": types, "sliding_window": cfg.sliding_window, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": {FULL: _rope_dict(cfg.rope_full), SLIDING: _rope_dict(cfg.rope_sliding)},
-        "final_logit_softcapping": None, "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
-        "num_kv_shared_layers": num_layers, "use_double_wide_mlp": False, "enable_moe_block": False,
-        "max_position_embeddings": cfg.max_position_embeddings, "hidden_activation": "gelu_pytorch_tanh",
-        "attention_bias": False, "tie_word_embeddings": True, "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": list(cfg.eos_token_ids), "pad_token_id": cfg.pad_token_id,
-    }
-    return {"architectures": ["Gemma4AssistantForCausalLM"], "model_type": "gemma4_assistant",
-            "backbone_hidden_size": cfg.hidden_size, "use_ordered_embeddings": False, "num_centroids": 2048,
-            "centroid_intermediate_top_k": 32, "tie_word_embeddings": True, "dtype": "bfloat16", "text_config": text}
 
 
 # ---- data: greedy continuations and the teacher-forced forward -------------------------------------------------------
@@ -614,9 +568,8 @@ def run(args) -> int:
     t_train = time.perf_counter() - t0
 
     aparams = export_params(params, kept_ids, cfg.vocab_size)
-    save_assistant(args.out, config, acfg, aparams, extra_json={"generation_config.json": {
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids), "pad_token_id": cfg.pad_token_id,
-        "num_assistant_tokens": args.k, "num_assistant_tokens_schedule": "constant"}})
+    save_assistant(args.out, config, acfg, aparams,
+                   extra_json={"generation_config.json": assistant_generation_config(cfg, args.k)})
     final = kept_view(aparams, kept_ids)  # metrics of the saved (bf16-rounded) weights
     sample = {n: a[: held_data["tokens"].shape[0]] for n, a in train_data.items()}
     train_m = evaluate(final, acfg, tc, num_queries, head, target_embed, sample)

@@ -18,9 +18,10 @@ import pytest
 from conftest import golden_path
 from jaxspec import corpus
 from jaxspec import distill as D
-from jaxspec.config import assistant_config_from_dict, check_pair
+from jaxspec.config import check_pair
 from jaxspec.engine import Engine, Request, SamplingParams
 from jaxspec.model import packed
+from jaxspec.model.hf import assistant_config_from_dict, assistant_hf_config
 from jaxspec.model.weights import load_assistant, load_target, random_assistant_params
 
 TARGET = golden_path("gemma3", "target")
@@ -37,7 +38,7 @@ CLI_ARGS = ["--new-tokens", str(NEW), "--k", str(K), "--keep-vocab", str(KEEP), 
 @pytest.fixture(scope="module")
 def tiny():
     cfg, params = load_target(TARGET, "fp32")
-    acfg = assistant_config_from_dict(D.assistant_hf_config(cfg, **SIZES))
+    acfg = assistant_config_from_dict(assistant_hf_config(cfg, **SIZES))
     check_pair(cfg, acfg)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, PROMPT_LEN).tolist() for _ in range(80)]
@@ -217,7 +218,7 @@ def test_saved_checkpoint_loads_packs_and_unpacks(tiny, trained, tmp_path, monke
     cfg, acfg = t["cfg"], t["acfg"]
     aparams = D.export_params(trained[0], t["kept"], cfg.vocab_size)
     hf = str(tmp_path / "hf")
-    packed.save_assistant(hf, D.assistant_hf_config(cfg, **SIZES), acfg, aparams)
+    packed.save_assistant(hf, assistant_hf_config(cfg, **SIZES), acfg, aparams)
     acfg2, loaded = load_assistant(hf, "fp32")
     assert acfg2 == acfg
     jax.tree.map(np.testing.assert_array_equal, loaded, aparams)  # every weight bit-exact: the same drafts

@@ -18,13 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxspec.config import (
-    AssistantConfig,
-    ConfigError,
-    TargetConfig,
-    load_assistant_config,
-    load_target_config,
-)
+from jaxspec.config import AssistantConfig, ConfigError, TargetConfig
+from jaxspec.model.hf import load_assistant_config, load_target_config
 
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 _CKPT_DTYPES = ("F32", "BF16", "F16", "I64", "I32")

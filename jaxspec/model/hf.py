@@ -1,6 +1,8 @@
 """The Hugging Face checkpoint format, read and written in one place: `config.json` <-> TargetConfig /
 AssistantConfig (hub and transformers-saved styles of gemma4, gemma4_text, gemma4_unified, gemma3_text and the
-assistants), and the config.json of a drafter that `jaxspec.distill` trains.
+assistants; the config.json of a drafter that `jaxspec.distill` trains), and the one table of tensor names: which
+HF tensors make each jaxspec param leaf (`model.weights` reads them, `model.packed` writes them, `model.gguf` maps
+llama.cpp's names onto them).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ import dataclasses
 import json
 import os
 from typing import Any
+
+import numpy as np
 
 from jaxspec.config import (
     ASSISTANT_TYPES,
@@ -252,3 +256,83 @@ def assistant_generation_config(cfg: TargetConfig, k: int) -> dict:
     """generation_config.json of a drafter for `cfg` that proposes k tokens a round."""
     return {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids), "pad_token_id": cfg.pad_token_id,
             "num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant"}
+
+
+# ---- tensor names: jaxspec param leaves <-> HF tensors --------------------------------------------------------------
+
+TARGET_PREFIXES = ("model.language_model.", "model.")  # a multimodal wrapper's text model; a text-only checkpoint
+TEXT_PREFIX = "model."  # what a text-only checkpoint (and jaxspec's GGUF import) uses
+ASSISTANT_LAYER_PREFIX = "model."
+
+# One layer's leaves, each made of these HF tensors under `{prefix}layers.{i}.`. Several tensors are joined on axis 0:
+# the norms stacked into one [n, H] row block, gate_up concatenated (gate rows, then up rows).
+LAYER_TENSORS: dict[str, tuple[str, ...]] = {
+    "norms": ("input_layernorm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
+              "post_feedforward_layernorm.weight"),
+    "q_proj": ("self_attn.q_proj.weight",),
+    "q_norm": ("self_attn.q_norm.weight",),
+    "k_proj": ("self_attn.k_proj.weight",),
+    "k_norm": ("self_attn.k_norm.weight",),
+    "v_proj": ("self_attn.v_proj.weight",),
+    "o_proj": ("self_attn.o_proj.weight",),
+    "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down": ("mlp.down_proj.weight",),
+    "layer_scalar": ("layer_scalar",),  # [1] on disk, a scalar leaf
+    "ple_gate": ("per_layer_input_gate.weight",),
+    "ple_proj": ("per_layer_projection.weight",),
+    "ple_norm": ("post_per_layer_input_norm.weight",),
+    "moe_norms": ("pre_feedforward_layernorm_2.weight", "post_feedforward_layernorm_1.weight",
+                  "post_feedforward_layernorm_2.weight"),
+    "router_proj": ("router.proj.weight",),
+    "router_scale": ("router.scale",),
+    "per_expert_scale": ("router.per_expert_scale",),
+    "experts_gate_up": ("experts.gate_up_proj",),
+    "experts_down": ("experts.down_proj",),
+}
+_STACKED = ("norms", "moe_norms")
+
+# Global leaves: a target's under its prefix; an assistant's from the top of its checkpoint.
+TARGET_TENSORS = {"embed": "embed_tokens.weight", "final_norm": "norm.weight",
+                  "ple_embed": "embed_tokens_per_layer.weight", "ple_model_proj": "per_layer_model_projection.weight",
+                  "ple_proj_norm": "per_layer_projection_norm.weight"}
+ASSISTANT_TENSORS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+                     "pre_projection": "pre_projection.weight", "post_projection": "post_projection.weight",
+                     "centroids": "masked_embedding.centroids.weight",
+                     "token_ordering": "masked_embedding.token_ordering"}
+
+
+def layer_prefix(prefix: str, i: int | str) -> str:
+    """The HF name prefix of layer i's tensors."""
+    return f"{prefix}layers.{i}."
+
+
+def layer_tensor_shapes(leaf: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """{HF name under the layer prefix: shape} of the tensors that make one layer's `leaf` of `shape` (a scalar
+    leaf's tensor is listed as (), which `Checkpoint.get` also matches to its [1] on disk)."""
+    names = LAYER_TENSORS[leaf]
+    if leaf in _STACKED:
+        part = tuple(shape[1:])
+    elif len(names) > 1:
+        part = (shape[0] // len(names), *shape[1:])
+    else:
+        part = tuple(shape)
+    return dict.fromkeys(names, part)
+
+
+def join_layer_tensors(leaf: str, parts: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+    """One layer's `leaf` of `shape` from its HF tensors, in LAYER_TENSORS order."""
+    if leaf in _STACKED:
+        return np.stack(parts)
+    if len(parts) > 1:
+        return np.concatenate(parts)
+    return parts[0].reshape(shape)
+
+
+def split_layer_leaf(leaf: str, value: np.ndarray) -> dict[str, np.ndarray]:
+    """{HF name under the layer prefix: tensor} of one layer's `leaf` value: the inverse of `join_layer_tensors`."""
+    names = LAYER_TENSORS[leaf]
+    if leaf in _STACKED:
+        return dict(zip(names, value))
+    if len(names) > 1:
+        return dict(zip(names, np.split(value, len(names))))
+    return {names[0]: value if value.ndim else value.reshape(1)}

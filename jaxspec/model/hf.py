@@ -262,7 +262,7 @@ def assistant_generation_config(cfg: TargetConfig, k: int) -> dict:
 
 TARGET_PREFIXES = ("model.language_model.", "model.")  # a multimodal wrapper's text model; a text-only checkpoint
 TEXT_PREFIX = "model."  # what a text-only checkpoint (and jaxspec's GGUF import) uses
-ASSISTANT_LAYER_PREFIX = "model."
+ASSISTANT_TEXT_PREFIX = "model."  # an assistant's decoder: embedding, layers and final norm, named as a target's
 
 # One layer's leaves, each made of these HF tensors under `{prefix}layers.{i}.`. Several tensors are joined on axis 0:
 # the norms stacked into one [n, H] row block, gate_up concatenated (gate rows, then up rows).
@@ -295,7 +295,8 @@ _STACKED = ("norms", "moe_norms")
 TARGET_TENSORS = {"embed": "embed_tokens.weight", "final_norm": "norm.weight",
                   "ple_embed": "embed_tokens_per_layer.weight", "ple_model_proj": "per_layer_model_projection.weight",
                   "ple_proj_norm": "per_layer_projection_norm.weight"}
-ASSISTANT_TENSORS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+ASSISTANT_TENSORS = {"embed": ASSISTANT_TEXT_PREFIX + TARGET_TENSORS["embed"],
+                     "final_norm": ASSISTANT_TEXT_PREFIX + TARGET_TENSORS["final_norm"],
                      "pre_projection": "pre_projection.weight", "post_projection": "post_projection.weight",
                      "centroids": "masked_embedding.centroids.weight",
                      "token_ordering": "masked_embedding.token_ordering"}

@@ -49,7 +49,7 @@ def assistant_tensors(acfg: AssistantConfig, params, dtype=ml_dtypes.bfloat16) -
     out = {hf.ASSISTANT_TENSORS[name]: arr(params[name]) for name in _PLAIN_HEAD}
     for i in range(acfg.text.num_layers):
         group, j = acfg.text.group_of(i)
-        pre = hf.layer_prefix(hf.ASSISTANT_LAYER_PREFIX, i)
+        pre = hf.layer_prefix(hf.ASSISTANT_TEXT_PREFIX, i)
         for name, stack in params["layers"][group].items():
             out.update({pre + n: t for n, t in hf.split_layer_leaf(name, arr(stack[j])).items()})
     return out

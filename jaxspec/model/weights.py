@@ -208,7 +208,7 @@ def load_assistant(path: str, dtype="fp32") -> tuple[AssistantConfig, dict]:
     ck = Checkpoint(path)
     params = {name: _to_device(name, ck.get(hf.ASSISTANT_TENSORS[name], shape), dtype)
               for name, shape in assistant_global_shapes(acfg).items()}
-    params["layers"] = _load_layers(ck, acfg.text, hf.ASSISTANT_LAYER_PREFIX, dtype)
+    params["layers"] = _load_layers(ck, acfg.text, hf.ASSISTANT_TEXT_PREFIX, dtype)
     return acfg, params
 
 

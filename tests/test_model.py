@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from conftest import golden_path, load_reference
-from jaxspec.config import FULL, SLIDING, PRESETS, ConfigError, Rope, load_target_config
+from jaxspec.config import FULL, SLIDING, PRESETS, ConfigError, Rope
 from jaxspec.model import gemma4
+from jaxspec.model.hf import load_target_config
 from jaxspec.model.weights import count_leaves, global_shapes, layer_shapes, load_target
 
 CASES = ["e2b", "moe", "dense31", "mm", "sharded", "gemma3"]

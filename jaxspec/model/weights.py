@@ -18,13 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxspec.config import (
-    AssistantConfig,
-    ConfigError,
-    TargetConfig,
-    load_assistant_config,
-    load_target_config,
-)
+from jaxspec.config import AssistantConfig, ConfigError, TargetConfig
+from jaxspec.model import hf
 
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 _CKPT_DTYPES = ("F32", "BF16", "F16", "I64", "I32")
@@ -139,44 +134,33 @@ class Checkpoint:
 
 
 def _detect_prefix(ck: Checkpoint) -> str:
-    for p in ("model.language_model.", "model."):
-        if ck.has(p + "embed_tokens.weight"):
+    for p in hf.TARGET_PREFIXES:
+        if ck.has(p + hf.TARGET_TENSORS["embed"]):
             return p
-    raise ConfigError(f"missing tensor model.embed_tokens.weight in {ck.path}")
+    raise ConfigError(f"missing tensor {hf.TEXT_PREFIX + hf.TARGET_TENSORS['embed']} in {ck.path}")
+
+
+def _in_checkpoint(cfg: TargetConfig, name: str) -> bool:
+    return not (name == "layer_scalar" and cfg.model_type == "gemma3_text")  # Gemma 3 has no layer_scalar
 
 
 def _layer_tensor(ck: Checkpoint, cfg: TargetConfig, pre: str, name: str, shape) -> np.ndarray:
     """One layer's weight `name` (our layout) read from HF tensors under `pre` (e.g. 'model.layers.3.')."""
-    H = shape[-1] if shape else None
+    if not _in_checkpoint(cfg, name):
+        return np.ones((), np.float32)
+    parts = [ck.get(pre + n, s) for n, s in hf.layer_tensor_shapes(name, shape).items()]
+    return hf.join_layer_tensors(name, parts, shape)
 
-    def g(n, s):
-        return ck.get(pre + n, s)
 
-    if name == "norms":
-        ws = [g(n + ".weight", (H,)) for n in ("input_layernorm", "post_attention_layernorm",
-                                                 "pre_feedforward_layernorm", "post_feedforward_layernorm")]
-        return np.stack(ws)
-    if name == "moe_norms":
-        ws = [g(n + ".weight", (H,)) for n in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1",
-                                                 "post_feedforward_layernorm_2")]
-        return np.stack(ws)
-    if name == "gate_up":
-        half = (shape[0] // 2, shape[1])
-        return np.concatenate([ck.get(pre + "mlp.gate_proj.weight", half), ck.get(pre + "mlp.up_proj.weight", half)])
-    if name == "layer_scalar":
-        if cfg.model_type == "gemma3_text":
-            return np.ones((), np.float32)  # Gemma 3 has no layer_scalar
-        return g("layer_scalar", ()).reshape(())
-    hf = {
-        "q_proj": "self_attn.q_proj.weight", "q_norm": "self_attn.q_norm.weight", "o_proj": "self_attn.o_proj.weight",
-        "k_proj": "self_attn.k_proj.weight", "k_norm": "self_attn.k_norm.weight", "v_proj": "self_attn.v_proj.weight",
-        "down": "mlp.down_proj.weight", "ple_gate": "per_layer_input_gate.weight",
-        "ple_proj": "per_layer_projection.weight", "ple_norm": "post_per_layer_input_norm.weight",
-        "router_proj": "router.proj.weight", "router_scale": "router.scale",
-        "per_expert_scale": "router.per_expert_scale", "experts_gate_up": "experts.gate_up_proj",
-        "experts_down": "experts.down_proj",
-    }[name]
-    return ck.get(pre + hf, shape)
+def target_tensor_shapes(cfg: TargetConfig, prefix: str = hf.TEXT_PREFIX) -> dict[str, tuple[int, ...]]:
+    """{HF name: shape} of every tensor `load_target` reads from a checkpoint of `cfg` whose names start `prefix`."""
+    out = {prefix + hf.TARGET_TENSORS[name]: shape for name, shape in global_shapes(cfg).items()}
+    for group in cfg.groups:
+        for name, shape in layer_shapes(cfg, group).items():
+            if _in_checkpoint(cfg, name):
+                out.update({hf.layer_prefix(prefix, i) + n: s for i in group.layers
+                            for n, s in hf.layer_tensor_shapes(name, shape).items()})
+    return out
 
 
 def _fold_norm(cfg: TargetConfig, name: str, arr: np.ndarray) -> np.ndarray:
@@ -195,7 +179,7 @@ def _load_layers(ck: Checkpoint, cfg: TargetConfig, prefix: str, dtype) -> dict:
         shapes = layer_shapes(cfg, group)
         layers[group.name] = {
             name: _to_device(name, np.stack([
-                _fold_norm(cfg, name, _layer_tensor(ck, cfg, f"{prefix}layers.{i}.", name, shape))
+                _fold_norm(cfg, name, _layer_tensor(ck, cfg, hf.layer_prefix(prefix, i), name, shape))
                 for i in group.layers]), dtype)
             for name, shape in shapes.items()
         }
@@ -208,35 +192,23 @@ def load_target(path: str, dtype="fp32") -> tuple[TargetConfig, dict]:
     dtype: "bf16" | "fp32" (or a jnp dtype; tests use jnp.float64 under jax.enable_x64 for oracle comparisons).
     """
     dtype = compute_dtype(dtype) if isinstance(dtype, str) else dtype
-    cfg = load_target_config(path)
+    cfg = hf.load_target_config(path)
     ck = Checkpoint(path)
     prefix = _detect_prefix(ck)
-    gs = global_shapes(cfg)
-    params = {
-        "embed": _to_device("embed", ck.get(prefix + "embed_tokens.weight", gs["embed"]), dtype),
-        "final_norm": _to_device("final_norm", _fold_norm(cfg, "final_norm", ck.get(prefix + "norm.weight",
-                                                                                      gs["final_norm"])), dtype),
-        "layers": _load_layers(ck, cfg, prefix, dtype),
-    }
-    if cfg.hidden_size_per_layer_input:
-        for ours, hf in (("ple_embed", "embed_tokens_per_layer.weight"),
-                         ("ple_model_proj", "per_layer_model_projection.weight"),
-                         ("ple_proj_norm", "per_layer_projection_norm.weight")):
-            params[ours] = _to_device(ours, ck.get(prefix + hf, gs[ours]), dtype)
+    params = {name: _to_device(name, _fold_norm(cfg, name, ck.get(prefix + hf.TARGET_TENSORS[name], shape)), dtype)
+              for name, shape in global_shapes(cfg).items()}
+    params["layers"] = _load_layers(ck, cfg, prefix, dtype)
     return cfg, params
 
 
 def load_assistant(path: str, dtype="fp32") -> tuple[AssistantConfig, dict]:
     """Config and params of a `gemma4_assistant` / `gemma4_unified_assistant` checkpoint."""
     dtype = compute_dtype(dtype) if isinstance(dtype, str) else dtype
-    acfg = load_assistant_config(path)
+    acfg = hf.load_assistant_config(path)
     ck = Checkpoint(path)
-    gs = assistant_global_shapes(acfg)
-    hf = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
-          "pre_projection": "pre_projection.weight", "post_projection": "post_projection.weight",
-          "centroids": "masked_embedding.centroids.weight", "token_ordering": "masked_embedding.token_ordering"}
-    params = {name: _to_device(name, ck.get(hf[name], shape), dtype) for name, shape in gs.items()}
-    params["layers"] = _load_layers(ck, acfg.text, "model.", dtype)
+    params = {name: _to_device(name, ck.get(hf.ASSISTANT_TENSORS[name], shape), dtype)
+              for name, shape in assistant_global_shapes(acfg).items()}
+    params["layers"] = _load_layers(ck, acfg.text, hf.ASSISTANT_TEXT_PREFIX, dtype)
     return acfg, params
 
 

@@ -15,23 +15,16 @@ import os
 import sys
 
 from jaxspec.cli import Parser, run_cli  # stdlib-only imports: the CLI starts before jax loads
+from jaxspec.launch import add_engine_args, add_model_args, build_engine, load_pair
 
-DEMO = "demo-random"
-DEFAULT = "gemma3-270m"
-PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "prompts.txt")
 DEMO_PROMPTS = [[2, 17, 300, 42, 9], [2, 500, 12, 7, 7, 81, 1000, 3, 64, 5, 811], [2, 99], [2, 123, 456, 789, 321]]
-
 
 
 def parse_args(argv=None):
     p = Parser(prog="python -m jaxspec.generate", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=DEFAULT, help=f"target checkpoint folder (HF layout), '{DEFAULT}' (default: "
-                   f"Gemma 3 270M with jaxspec's distilled assistant) or '{DEMO}' (random-weight Gemma 4 pair)")
-    p.add_argument("--assistant", default=None, help="assistant (drafter) checkpoint folder (default with "
-                   f"'{DEFAULT}': the bundled one)")
+    add_model_args(p)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts", default=None, help=".txt (one prompt a line) or .jsonl ('prompt' or 'prompt_ids')")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -39,55 +32,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--max-running-requests", type=int, default=16)
-    p.add_argument("--draft-mode", choices=("bucketed", "eager", "off"), default="bucketed")
-    p.add_argument("--draft-bs", default="1,2,4,8,16,32,64", help="batch-size buckets, e.g. 1,2,4,8")
-    p.add_argument("--dtype", default=None, help="bf16 or fp32 (default: bf16 on a GPU, fp32 on the CPU)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-pages", type=int, default=None, help="full-pool pages (default: enough for every request)")
-    p.add_argument("--max-context", type=int, default=None)
-    p.add_argument("--prefill-chunk", type=int, default=256)
-    p.add_argument("--rounds-per-call", type=int, default=4,
-                   help="speculative rounds per decode call, a device loop that stops early when every request is "
-                        "done (more: fewer launches; a waiting request is admitted only between calls)")
-    p.add_argument("--overlap", choices=("on", "off"), default="on",
-                   help="launch the next decode call before reading the last one's results (the host commits while "
-                        "the device computes); --draft-mode eager runs without it")
-    p.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
-                   help="Pallas kernels (auto: on a GPU; on a CPU they run in interpret mode)")
+    add_engine_args(p)
     p.add_argument("--profile-dir", default=None, help="write a jax profiler trace of the decode rounds here")
     p.add_argument("--output", default=None, help="write one JSON line per request here")
     p.add_argument("--quiet", action="store_true", help="no per-request text, no progress bar")
     return p.parse_args(argv)
-
-
-def _buckets(text: str) -> tuple[int, ...]:
-    from jaxspec.config import ConfigError
-
-    try:
-        out = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"--draft-bs must be comma-separated integers, got {text!r}") from None
-    if not out or min(out) < 1:
-        raise ConfigError(f"--draft-bs must list positive batch sizes, got {text!r}")
-    return out
-
-
-def demo_pair(dtype):
-    """The built-in demo: a small Gemma 4 target (PLE, KV sharing, dual RoPE) and an assistant with a centroid head,
-    deterministic random weights."""
-    from jaxspec.config import FULL, SLIDING, PRESETS, assistant_preset
-    from jaxspec.model.weights import random_assistant_params, random_target_params
-
-    S, F = SLIDING, FULL
-    cfg = dataclasses.replace(
-        PRESETS["E2B"], vocab_size=2048, vocab_size_per_layer_input=2048, hidden_size=128, intermediate_size=256,
-        num_layers=6, num_heads=4, num_kv_heads=1, num_global_kv_heads=1, head_dim=32, global_head_dim=64,
-        layer_types=(S, S, F, S, S, F), sliding_window=32, hidden_size_per_layer_input=16, num_kv_shared_layers=2,
-        max_position_embeddings=1024)
-    acfg = assistant_preset(cfg, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
-                            num_centroids=32, centroid_top_k=4)
-    return cfg, random_target_params(cfg, 0, dtype), acfg, random_assistant_params(acfg, 1, dtype)
 
 
 def run(args) -> int:
@@ -97,64 +46,33 @@ def run(args) -> int:
     import jax
 
     from jaxspec.config import ConfigError
-    from jaxspec.engine import Engine, Request, SamplingParams, request_record
-    from jaxspec.model.weights import compute_dtype, load_assistant, load_target
-    from jaxspec.prompts import load_tokenizer, read_prompts
+    from jaxspec.engine import Request, SamplingParams, request_record
+    from jaxspec.prompts import read_prompts
 
-    dtype = compute_dtype(args.dtype or ("fp32" if jax.default_backend() == "cpu" else "bf16"))
-    buckets = _buckets(args.draft_bs)
-    if args.model == DEMO:
-        cfg, params, acfg, aparams = demo_pair(dtype)
-        tokenizer = None
-        label = f"{DEMO} (small Gemma 4 pair with RANDOM WEIGHTS: the text is meaningless, acceptance is low)"
-        if args.assistant:
-            acfg, aparams = load_assistant(args.assistant, dtype)
-    else:
-        model, assistant, label = args.model, args.assistant, args.model
-        if args.model == DEFAULT:
-            from jaxspec.model.gguf import default_model_dir
-            from jaxspec.model.packed import bundled_assistant_dir
-
-            model = default_model_dir()
-            assistant = assistant or bundled_assistant_dir()
-            label = f"{DEFAULT} (Gemma 3 270M Q4_K_M GGUF, dequantised; assistant distilled by jaxspec)"
-            if not args.prompt and not args.prompts:
-                args.prompts = PROMPTS
-        cfg, params = load_target(model, dtype)
-        tokenizer = load_tokenizer(model)
-        acfg = aparams = None
-        if assistant:
-            acfg, aparams = load_assistant(assistant, dtype)
-    draft_mode = args.draft_mode
-    if acfg is None and draft_mode != "off":
-        print("note: no --assistant given, decoding without speculation (--draft-mode off)", file=sys.stderr)
-        draft_mode = "off"
+    pair = load_pair(args)
+    tokenizer, label = pair.tokenizer, pair.label
+    if not args.prompt and not args.prompts:
+        args.prompts = pair.default_prompts
     prompts = read_prompts(args.prompt, args.prompts, tokenizer)
     if not prompts:
         if tokenizer is None:
             prompts = [(list(p), None) for p in DEMO_PROMPTS]
         else:
             prompts = [(tokenizer(t)["input_ids"], t) for t in ("The capital of France is", "def fibonacci(n):")]
-    for name, value, lo in (("--max-new-tokens", args.max_new_tokens, 1), ("--page-size", args.page_size, 1),
-                            ("--prefill-chunk", args.prefill_chunk, 1), ("--top-k", args.top_k, 0)):
+    for name, value, lo in (("--max-new-tokens", args.max_new_tokens, 1), ("--top-k", args.top_k, 0)):
         if value < lo:
             raise ConfigError(f"{name} must be >= {lo}, got {value}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise ConfigError("--temperature must be >= 0 and --top-p in (0, 1]")
-    kernels = {"auto": None, "on": True, "off": False}[args.kernels]
-    engine = Engine(cfg, params, acfg=acfg, aparams=aparams, k=args.num_speculative_tokens, draft_mode=draft_mode,
-                    buckets=buckets, max_running=args.max_running_requests, page_size=args.page_size,
-                    num_pages=args.kv_pages, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-                    use_kernels=kernels, rounds_per_call=args.rounds_per_call, overlap=args.overlap == "on",
-                    tokenizer=tokenizer)
+    engine = build_engine(args, pair)
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     requests = [Request(prompt_ids=ids, params=dataclasses.replace(sp, seed=args.seed + i))
                 for i, (ids, _) in enumerate(prompts)]
     for r in requests:
         engine.validate(r)
-    print(f"model: {label}; draft: {draft_mode}" + (f" k={engine.k}" if engine.k else "") +
-          f"; {jax.default_backend()} {jax.numpy.dtype(dtype).name}", file=sys.stderr)
+    print(f"model: {label}; draft: {engine.config.draft_mode}" + (f" k={engine.k}" if engine.k else "") +
+          f"; {jax.default_backend()} {jax.numpy.dtype(pair.params['embed'].dtype).name}", file=sys.stderr)
     engine.warmup(sample=args.temperature > 0)
     bar = None
     if not args.quiet:

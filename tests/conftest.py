@@ -6,9 +6,16 @@ _platforms = os.environ.get("JAX_PLATFORMS", "")
 if _platforms == "cpu" or (not _platforms and shutil.which("nvidia-smi") is None):
     os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from jaxspec.config import FULL, PRESETS, SLIDING, assistant_preset
+from jaxspec.engine import Engine, Request, SamplingParams
+from jaxspec.model.weights import load_assistant, load_target, random_assistant_params, random_target_params
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -29,3 +36,51 @@ def load_reference(case: str) -> dict:
 
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
+
+
+# ---- the engine's shared fixtures: golden pairs, mixed prompts, plain greedy decoding as the reference ---------------
+
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+def pair(case="e2b", head="assistant"):
+    cfg, params = load_target(golden_path(case, "target"), "fp32")
+    acfg, aparams = load_assistant(golden_path(case, head), "fp32")
+    return cfg, params, acfg, aparams
+
+
+def run(engine, prompts, sp=GREEDY):
+    reqs = [Request(prompt_ids=list(p), params=sp) for p in prompts]
+    engine.generate(reqs)
+    return [r.output_ids for r in reqs], reqs
+
+
+def mixed_prompts(cfg, n, seed):
+    rng = np.random.default_rng(seed)
+    W = cfg.sliding_window
+    lengths = rng.choice([1, 2, W - 1, W, W + 1, 2 * W + 1, 3 * W + 5, 40], size=n)
+    return [rng.integers(3, cfg.vocab_size, int(L)).tolist() for L in lengths]
+
+
+@pytest.fixture(scope="session")
+def plain_reference():
+    """Plain greedy decoding of the target alone (draft off, one round per call, no overlap: the simplest path) for
+    the 250 prompts of the lossless sweeps."""
+    cfg, params, _, _ = pair()
+    prompts = mixed_prompts(cfg, 250, seed=0)
+    eng = Engine(cfg, params, draft_mode="off", buckets=(1, 4, 16), max_running=16, page_size=4, max_context=96,
+                 prefill_chunk=8, rounds_per_call=1, overlap=False)
+    outs, _ = run(eng, prompts, dataclasses.replace(GREEDY, max_new_tokens=20))
+    return prompts, outs
+
+
+def tiny_vocab_pair(V=6):
+    """A random pair over a vocabulary of V tokens, whose drafts often match: rounds commit several tokens."""
+    base = dataclasses.replace(
+        PRESETS["E4B"], vocab_size=V, vocab_size_per_layer_input=V, hidden_size=32, intermediate_size=64,
+        num_layers=3, num_heads=2, num_kv_heads=1, num_global_kv_heads=1, head_dim=16, global_head_dim=16,
+        layer_types=(SLIDING, FULL, FULL), sliding_window=4, hidden_size_per_layer_input=0, num_kv_shared_layers=1)
+    params = random_target_params(base, 3, jnp.float32)
+    params["embed"] = params["embed"] * 15.0  # logits of std ~2: far from uniform, yet every token is plausible
+    acfg = assistant_preset(base, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, ordered=False)
+    return base, params, acfg, random_assistant_params(acfg, 4, jnp.float32)

@@ -8,27 +8,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import golden_path, load_reference
+from conftest import GREEDY, golden_path, load_reference, mixed_prompts, pair, run, tiny_vocab_pair
 from jaxspec import sampling
-from jaxspec.config import FULL, SLIDING, PRESETS, assistant_preset
 from jaxspec.engine import Engine, Request, SamplingParams
 from jaxspec.engine.stopping import Stopping
-from jaxspec.model.weights import load_assistant, load_target, random_assistant_params, random_target_params
-
-GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
-
-
-def pair(case="e2b", head="assistant"):
-    cfg, params = load_target(golden_path(case, "target"), "fp32")
-    acfg, aparams = load_assistant(golden_path(case, head), "fp32")
-    return cfg, params, acfg, aparams
-
-
-def run(engine, prompts, sp=GREEDY):
-    reqs = [Request(prompt_ids=list(p), params=sp) for p in prompts]
-    engine.generate(reqs)
-    return [r.output_ids for r in reqs], reqs
-
+from jaxspec.model.weights import load_assistant, load_target
 
 # ---- against transformers' own greedy generation ------------------------------------------------------------------
 
@@ -54,46 +38,30 @@ def test_greedy_equals_transformers_generate(case, head, mode):
 # ---- lossless: speculative greedy == plain greedy -------------------------------------------------------------------
 
 
-def mixed_prompts(cfg, n, seed):
-    rng = np.random.default_rng(seed)
-    W = cfg.sliding_window
-    lengths = rng.choice([1, 2, W - 1, W, W + 1, 2 * W + 1, 3 * W + 5, 40], size=n)
-    return [rng.integers(3, cfg.vocab_size, int(L)).tolist() for L in lengths]
-
-
-@pytest.fixture(scope="module")
-def plain_reference():
-    """Plain greedy decoding of the target alone (draft off) for all prompts of the lossless sweep."""
-    cfg, params, _, _ = pair()
-    prompts = mixed_prompts(cfg, 250, seed=0)
-    eng = Engine(cfg, params, draft_mode="off", buckets=(1, 4, 16), max_running=16, page_size=4, max_context=96,
-                 prefill_chunk=8, rounds_per_call=1, overlap=False)
-    outs, _ = run(eng, prompts, dataclasses.replace(GREEDY, max_new_tokens=20))
-    return prompts, outs
-
-
 LOSSLESS = [
-    # k, draft mode, head, max running, full pages (None: no pressure), buckets, Pallas kernels (interpret on CPU)
-    (1, "bucketed", "assistant", 16, None, (1, 2, 4, 8, 16), False),
-    (2, "eager", "assistant_plain", 4, None, (1, 4), False),
-    (3, "bucketed", "assistant_plain", 8, 40, (1, 4, 8), False),
-    (5, "eager", "assistant", 3, 40, (1, 4), False),
-    (3, "bucketed", "assistant", 16, 60, (16,), True),
+    # k, draft mode, head, max running, full pages (None: no pressure), buckets, Pallas kernels (interpret on CPU),
+    # rounds per decode call, overlap (the eager reference always runs one round a call without overlap)
+    (1, "bucketed", "assistant", 16, None, (1, 2, 4, 8, 16), False, 16, False),
+    (2, "eager", "assistant_plain", 4, None, (1, 4), False, 1, False),
+    (3, "bucketed", "assistant_plain", 8, 40, (1, 4, 8), False, 2, True),
+    (5, "eager", "assistant", 3, 40, (1, 4), False, 1, False),
+    (3, "bucketed", "assistant", 16, 60, (16,), True, 8, True),
 ]
 
 
-@pytest.mark.parametrize("k,mode,head,running,pages,buckets,kernels", LOSSLESS)
-def test_speculative_greedy_is_lossless(plain_reference, k, mode, head, running, pages, buckets, kernels):
+@pytest.mark.parametrize("k,mode,head,running,pages,buckets,kernels,rounds,overlap", LOSSLESS)
+def test_speculative_greedy_is_lossless(plain_reference, k, mode, head, running, pages, buckets, kernels, rounds,
+                                        overlap):
     """Token for token equal to plain greedy: 50 prompts per configuration (250 over the sweep, many longer than
-    the window), continuous batching, k in {1,2,3,5}, both draft modes, both heads, and pools small enough that
-    requests wait and are preempted."""
+    the window), continuous batching, k in {1,2,3,5}, both draft modes, both heads, 1 to 16 rounds per decode call
+    with and without overlap, and pools small enough that requests wait and are preempted."""
     prompts, want = plain_reference
-    i = LOSSLESS.index((k, mode, head, running, pages, buckets, kernels))
+    i = LOSSLESS.index((k, mode, head, running, pages, buckets, kernels, rounds, overlap))
     lo, hi = 50 * i, 50 * (i + 1)
     cfg, params, acfg, aparams = pair(head=head)
     eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=k, draft_mode=mode, buckets=buckets,
                  max_running=running, page_size=4, num_pages=pages, max_context=96, prefill_chunk=8,
-                 use_kernels=kernels)
+                 use_kernels=kernels, rounds_per_call=rounds, overlap=overlap)
     outs, reqs = run(eng, prompts[lo:hi], dataclasses.replace(GREEDY, max_new_tokens=20))
     for j, (got, exp) in enumerate(zip(outs, want[lo:hi])):
         assert got == exp, f"prompt {lo + j}"
@@ -145,17 +113,6 @@ def test_no_tracing_after_warmup_is_enforced(monkeypatch):
 
 
 # ---- sampling: the speculative distribution equals the target's -------------------------------------------------------
-
-
-def tiny_vocab_pair(V=6):
-    base = dataclasses.replace(
-        PRESETS["E4B"], vocab_size=V, vocab_size_per_layer_input=V, hidden_size=32, intermediate_size=64,
-        num_layers=3, num_heads=2, num_kv_heads=1, num_global_kv_heads=1, head_dim=16, global_head_dim=16,
-        layer_types=(SLIDING, FULL, FULL), sliding_window=4, hidden_size_per_layer_input=0, num_kv_shared_layers=1)
-    params = random_target_params(base, 3, jnp.float32)
-    params["embed"] = params["embed"] * 15.0  # logits of std ~2: far from uniform, yet every token is plausible
-    acfg = assistant_preset(base, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, ordered=False)
-    return base, params, acfg, random_assistant_params(acfg, 4, jnp.float32)
 
 
 def exact_triples(cfg, params, prompt, sp, V):

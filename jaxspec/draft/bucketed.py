@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.aot import compile_ahead
+from jaxspec.aot import compile_ahead, matmul_precision
 from jaxspec.config import AssistantConfig, TargetConfig
 from jaxspec.model.assistant import propose
 from jaxspec.paged_kv.cache import PagedKVCache, draft_attend
@@ -92,7 +92,8 @@ class BucketedDrafter:
             pages = PageTables(page_table=jax.ShapeDtypeStruct((b, cache.spec.max_pages_per_request), i32),
                                swa_of_full=cache.swa_of_full)
             self.executables[b] = compile_ahead(self._program, self.aparams, self.target_embed, cache.kv, pages, vec,
-                                                vec, seed_table, vec, compiler_options=self.compiler_options)
+                                                vec, seed_table, vec, compiler_options=self.compiler_options,
+                                                precision=matmul_precision(self.target_embed.dtype))
         self.compiles += 1
 
     def propose_bucket(self, bucket: int, page_table, cached_len, pending_token, seed_table, slot):

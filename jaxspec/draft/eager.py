@@ -7,9 +7,13 @@ function as the bucketed path (`jaxspec.model.assistant.propose`).
 
 from __future__ import annotations
 
+import contextlib
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.aot import matmul_precision
 from jaxspec.config import SLIDING, AssistantConfig, TargetConfig
 from jaxspec.model.assistant import propose
 from jaxspec.paged_kv.cache import PagedKVCache, draft_attend
@@ -57,6 +61,8 @@ class EagerDrafter:
                                    types)
         attend = draft_attend(self.cfg, types, meta, use_kernels=False)
         seeds = jnp.asarray(seed_table)[jnp.asarray(slot)]
-        drafts, h = propose(self.aparams, self.acfg, self.target_embed, jnp.asarray(pending_token, jnp.int32), seeds,
-                            jnp.asarray(cached_len), attend, self.cache.kv, self.k)
+        precision = matmul_precision(self.target_embed.dtype)
+        with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+            drafts, h = propose(self.aparams, self.acfg, self.target_embed, jnp.asarray(pending_token, jnp.int32),
+                                seeds, jnp.asarray(cached_len), attend, self.cache.kv, self.k)
         return np.asarray(drafts), np.asarray(h)

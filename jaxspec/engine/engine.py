@@ -252,7 +252,7 @@ class Engine:
         k = self.k
         for chunk, out in calls:
             t0 = time.perf_counter()
-            out = np.asarray(out)  # [B, R, k + 2]
+            out = self.runner.read(out)  # [B, R, k + 2]
             now = time.perf_counter()
             self.stats.wait_s += now - t0
             counts = out[:, :, k + 1]

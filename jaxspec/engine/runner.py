@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.aot import compile_ahead
+from jaxspec.aot import compile_ahead, matmul_precision
 from jaxspec.draft.bucketed import DRAFT_COMPILER_OPTIONS
 from jaxspec.engine.config import EngineConfig
 from jaxspec.engine.programs import DecodeState, PrefillBatch, Programs, Weights
@@ -44,6 +44,7 @@ class Runner:
             return
         c, spec, i32 = self.config, self.cache.spec, jnp.int32
         opts = DRAFT_COMPILER_OPTIONS  # every program rounds where the model says, as the eager reference does
+        precision = matmul_precision(self.weights.target["embed"].dtype)
         for b in c.buckets:
             vec = lambda dt=i32: jax.ShapeDtypeStruct((b,), dt)  # noqa: E731
             pages = PageTables(page_table=jax.ShapeDtypeStruct((b, spec.max_pages_per_request), i32),
@@ -54,11 +55,11 @@ class Runner:
                                  num_generated=vec(), max_new_tokens=vec(), ignore_eos=vec(jnp.bool_), sampling=smeta)
             self.executables[("prefill", b, sample)] = compile_ahead(
                 self.programs.prefill(sample), self.weights, self.cache.kv, self.state, batch, pages,
-                donate_argnames=("kv", "state"), compiler_options=opts)
+                donate_argnames=("kv", "state"), compiler_options=opts, precision=precision)
             drafts = (jax.ShapeDtypeStruct((b, c.k), i32),) if c.draft_mode == "eager" else ()
             self.executables[("decode", b, sample)] = compile_ahead(
                 self.programs.decode_rounds(c.rounds_per_call, sample), self.weights, self.cache.kv, self.state,
-                vec(), pages, *drafts, donate_argnames=("kv", "state"), compiler_options=opts)
+                vec(), pages, *drafts, donate_argnames=("kv", "state"), compiler_options=opts, precision=precision)
         self.compiled_variants.add(sample)
 
     def rebuild(self) -> None:
@@ -99,13 +100,21 @@ class Runner:
                 cols[name][b] = value
             last[b], ignore_eos[b] = e == r.prefill_end, r.params.ignore_eos
         requests = [r for r, _, _ in rows]
-        batch = PrefillBatch(tokens=tokens, last=last, ignore_eos=ignore_eos,
-                             sampling=SamplingMetadata.build([r.params for r in requests], B), **cols)
+        batch = jax.device_put(PrefillBatch(tokens=tokens, last=last, ignore_eos=ignore_eos,
+                                            sampling=SamplingMetadata.build([r.params for r in requests], B), **cols))
         sample = any(r.params.temperature > 0 for r in requests)
         _, pages = self.inputs(requests + [None] * (B - len(rows)))
         self.cache.kv, self.state, token = self.executables[("prefill", B, sample)](
             self.weights, self.cache.kv, self.state, batch, pages)
         return np.asarray(token)
+
+    @staticmethod
+    def read(out: jax.Array) -> np.ndarray:
+        """The one device -> host transfer of a decode call: its committed tokens and counts (blocks until ready).
+        Every other transfer in a decode step is an explicit upload of changed inputs (tests run steps under
+        `jax.transfer_guard("disallow")`)."""
+        with jax.transfer_guard_device_to_host("allow"):
+            return jax.device_get(out)
 
     def decode(self, requests: list[Request], bucket: int, drafts=None) -> jax.Array:
         """Launch one decode call (rounds_per_call rounds); returns its output on the device, not waited for:

@@ -1,0 +1,188 @@
+"""The device-paced loop (DESIGN.md §9): several speculative rounds per decode call, and decode calls launched before
+the last one's results are read, change who drives a round, never its tokens.
+
+References: transformers' greedy generation (the oracle goldens) cut by the host's stopping rules, and plain greedy
+decoding of the target (draft off, one round per call, no overlap).
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import GREEDY, load_reference, pair, tiny_vocab_pair
+from jaxspec.engine import Engine, Request, SamplingParams
+
+ROUNDS = [(r, o) for r in (1, 2, 4, 8, 16) for o in (False, True)]
+
+
+class Tok:
+    """A tokenizer whose token i reads "<i>": a stop string "<i>" matches exactly where token i is committed."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(f"<{i}>" for i in ids)
+
+
+def cut(out: list[int], *, max_new: int, eos: int | None = None, stop: int | None = None) -> tuple[list[int], str]:
+    """The host's rules applied to a reference continuation: EOS (kept), a stop token (kept in the ids), length."""
+    for n, t in enumerate(out[:max_new], 1):
+        if t in (eos, stop):
+            return out[:n], "stop"
+    return out[:max_new], "length"
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    cfg, params, acfg, aparams = pair()
+    ref = load_reference("e2b")
+    prompts = [ref[f"greedy_prompt_{i}"][0].tolist() for i in range(4)]
+    outs = [ref[f"greedy_out_{i}"][0, len(p):].tolist() for i, p in enumerate(prompts)]
+    return cfg, params, acfg, aparams, prompts, outs
+
+
+@pytest.mark.parametrize("rounds,overlap", ROUNDS)
+def test_rounds_and_overlap_equal_transformers_greedy(oracle, rounds, overlap):
+    """Transformers' greedy continuations of four prompts, each ended differently: 24 tokens; max_new_tokens 11; an
+    EOS at its 10th token (inside a multi-round call); a stop string at its 13th. The last two requests join
+    through add_request while the first two are decoding."""
+    cfg, params, acfg, aparams, prompts, outs = oracle
+    eos, stop = outs[2][9], outs[3][12]
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
+                 max_context=64, prefill_chunk=8, rounds_per_call=rounds, overlap=overlap, eos_token_ids=(eos,),
+                 tokenizer=Tok())
+    params_of = [GREEDY, dataclasses.replace(GREEDY, max_new_tokens=11),
+                 dataclasses.replace(GREEDY, ignore_eos=False), dataclasses.replace(GREEDY, stop=(f"<{stop}>",))]
+    reqs = [Request(prompt_ids=p, params=sp) for p, sp in zip(prompts, params_of)]
+    want = [cut(outs[0], max_new=24), cut(outs[1], max_new=11), cut(outs[2], max_new=24, eos=eos),
+            cut(outs[3], max_new=24, stop=stop)]
+    assert len(want[2][0]) == 10 and len(want[3][0]) == 13  # the cuts are where meant (first occurrences)
+    eng.warmup()
+    for r in reqs[:2]:
+        eng.add_request(r)
+    joined = False
+    while eng.has_work():
+        eng.step()
+        if not joined and all(r.decoding for r in reqs[:2]):
+            for r in reqs[2:]:
+                eng.add_request(r)
+            joined = True
+    for i, (r, (ids, reason)) in enumerate(zip(reqs, want)):
+        assert (r.output_ids, r.finish_reason) == (ids, reason), f"request {i}"
+        assert sum(r.accept_lengths) == len(r.output_ids) - 1  # every committed token is accounted for
+    assert reqs[3].text == "".join(f"<{t}>" for t in want[3][0][:-1])  # the stop string is cut from the text
+    assert eng.cache.pool.num_free_full == eng.cache.spec.num_full_pages - 1  # every page back
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny-vocabulary pair (drafts often accepted, so rounds commit several tokens) and its plain greedy
+    continuations of 40 prompts."""
+    cfg, params, acfg, aparams = tiny_vocab_pair()
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(1, 12, 40)]
+    plain = Engine(cfg, params, draft_mode="off", buckets=(8,), max_running=8, page_size=4, max_context=48,
+                   prefill_chunk=8, rounds_per_call=1, overlap=False)
+    reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=30)) for p in prompts]
+    plain.generate(reqs)
+    return cfg, params, acfg, aparams, prompts, [r.output_ids for r in reqs]
+
+
+@pytest.mark.parametrize("rounds,overlap", [(4, True), (16, False)])
+def test_cuts_inside_a_round_and_a_call(tiny, rounds, overlap):
+    """EOS and max_new_tokens land inside rounds that commit several tokens, inside multi-round calls: the output is
+    the plain greedy continuation cut by the host's rules, and the device's extra tokens are discarded."""
+    cfg, params, acfg, aparams, prompts, plain = tiny
+    eos = 5
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(8,), max_running=8, page_size=4,
+                 max_context=48, prefill_chunk=8, rounds_per_call=rounds, overlap=overlap, eos_token_ids=(eos,))
+    counts, cuts = [], []
+    read, commit = eng.runner.read, eng.stopping.commit
+
+    def read_spy(out):
+        host = read(out)
+        counts.append(host[:, :, -1])
+        return host
+
+    def commit_spy(r, tokens, now):
+        n = commit(r, tokens, now)
+        cuts.append(n < len(tokens))
+        return n
+
+    eng.runner.read, eng.stopping.commit = read_spy, commit_spy
+    sps = [SamplingParams(max_new_tokens=int(m), ignore_eos=bool(i % 2)) for i, m in
+           enumerate(np.random.default_rng(8).integers(2, 30, len(prompts)))]
+    reqs = [Request(prompt_ids=p, params=sp) for p, sp in zip(prompts, sps)]
+    eng.generate(reqs)
+    for i, (r, sp, out) in enumerate(zip(reqs, sps, plain)):
+        want = cut(out, max_new=sp.max_new_tokens, eos=None if sp.ignore_eos else eos)
+        assert (r.output_ids, r.finish_reason) == want, f"request {i}"
+    # the cases meant happened: rounds of several tokens, and rounds the host cut short (EOS or length inside them)
+    committed = np.concatenate([c.reshape(-1) for c in counts])
+    print(f"tokens per round {np.mean(committed[committed > 0]):.2f}, max {committed.max()}; rounds cut by the host: "
+          f"{sum(cuts)}")
+    assert committed.max() == eng.k + 1 and sum(cuts) >= 5
+
+
+def test_requests_join_while_others_decode_bs_1_to_65(plain_reference):
+    """add_request / step: requests join in waves of 1, 2, 4, 8, 16 and 34 on consecutive steps while the earlier ones
+    decode, until 65 rows decode together (65: a chunk of 64 and one of 1); the outputs equal plain greedy decoding
+    (`generate` of the plain target)."""
+    prompts, want = plain_reference
+    cfg, params, acfg, aparams = pair()
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(1, 16, 64), max_running=65, page_size=4,
+                 max_context=96, prefill_chunk=8, rounds_per_call=1, overlap=True)
+    eng.warmup()
+    reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=20)) for p in prompts[:65]]
+    widest, lo = 0, 0
+    for wave in (1, 2, 4, 8, 16, 34):
+        for r in reqs[lo: lo + wave]:
+            eng.add_request(r)
+        lo += wave
+        eng.step()
+    while eng.has_work():
+        widest = max(widest, sum(1 for x in eng.scheduler.running if x.decoding and not x.finished))
+        eng.step()
+    assert widest == 65
+    for i, r in enumerate(reqs):
+        assert r.output_ids == want[i], f"request {i}"
+
+
+def test_decode_steps_transfer_only_their_results():
+    """Under jax.transfer_guard("disallow") (no implicit transfer either way; on a GPU device -> host is guarded
+    too), every step runs: uploads are explicit and only of changed inputs, and each decode call has exactly one
+    device -> host transfer (the engine's `read`), its committed tokens; drafts never leave the device."""
+    cfg, params, acfg, aparams = pair()
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
+                 max_context=64, prefill_chunk=8, rounds_per_call=2, overlap=True)
+    eng.warmup()
+    reads = []
+    read = eng.runner.read
+    eng.runner.read = lambda out: reads.append(out.shape) or read(out)
+    for p in ([3, 4, 5], list(range(3, 20)), [7] * 9):
+        eng.add_request(Request(prompt_ids=p, params=GREEDY))
+    with jax.transfer_guard("disallow"):
+        while eng.has_work():
+            eng.step()
+    assert len(reads) == eng.stats.calls > 0
+    assert all(shape == (4, 2, eng.k + 2) for shape in reads)
+
+
+def test_comparison_catches_a_stale_pending_token(oracle, monkeypatch):
+    """The round-state comparison has teeth: a loop that carries the old pending token into the next round (instead
+    of the round's bonus token) no longer equals transformers."""
+    from jaxspec.engine import programs
+
+    real = programs.Programs._advance
+
+    def stale(self, rows, active, n, committed, hidden):
+        new, committed, count = real(self, rows, active, n, committed, hidden)
+        return dataclasses.replace(new, pending_token=rows.pending_token), committed, count
+
+    monkeypatch.setattr(programs.Programs, "_advance", stale)
+    cfg, params, acfg, aparams, prompts, outs = oracle
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
+                 max_context=64, prefill_chunk=8, rounds_per_call=4, overlap=True)
+    reqs = [Request(prompt_ids=p, params=GREEDY) for p in prompts]
+    eng.generate(reqs)
+    assert sum(r.output_ids != out for r, out in zip(reqs, outs)) >= 3

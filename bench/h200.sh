@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device-machine runs (results under $OUT): `bash bench/h200.sh tests`, `... cmdbuf`, `... bench`, `... e2e0`, `... e2e1`.
+# Device-machine runs (results under $OUT): `bash bench/h200.sh tests`, `... cmdbuf`, `... bench`, `... e2e0`, `... e2e1`;
+# session 4: `BS=1 bash bench/h200.sh s4-e4b`, `... s4-tests`, `... s4-270m` (after carrying .gg/part0..6 and .whl).
 # Each part fits one device call (10 minutes). On a two-GPU machine two parts run side by side:
 #   (CUDA_VISIBLE_DEVICES=0 bash bench/h200.sh e2e0 &); CUDA_VISIBLE_DEVICES=1 bash bench/h200.sh e2e1; wait
 # (e2e1 runs bench/peers/run_peers.sh: carry .whl). Compiles are shared within a part through the persistent cache.
@@ -116,4 +117,37 @@ lane-cb-e2e)  # the engine at bs 1, 1K, with each command-buffer update mode
       --modes off,bucketed --prompt-len 1024 --json "$OUT/e2e-1k-bs1-$mode.json" > "$OUT/e2e-$mode.log" 2>&1
   done
   grep -A3 "^bs  " "$OUT"/e2e-*.log ;;
+s4-e4b)  # session 4, issue #13: the engine at bs $BS, 1K prompt, plain and bucketed, R in $RS, overlap off/on; the
+  # bucketed rows of the first bs are profiled (command buffers kept) for the GPU-busy fraction and round gap
+  XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${E2E_TIMEOUT:-540} python3 -m jaxspec.bench \
+    e2e --bs "${BS:-1}" --prompt-len 1024 --modes off,bucketed --rounds-per-call "${RS:-1,8}" --overlap off,on \
+    ${PROFILE:+--profile-dir /tmp/prof} --json "$OUT/e2e-e4b-1k-bs${BS:-1}.json" > "$OUT/e2e-e4b-bs${BS:-1}.log" 2>&1
+  grep "^e2e bs\|^trace\|Error" "$OUT/e2e-e4b-bs${BS:-1}.log" | head -30 ;;
+s4-tests)  # the transformers-equivalence tests on the GPU (Triton kernels, fp32): issue #14's GPU lane
+  timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -s ${TESTS:-tests/test_kernels.py \
+    tests/test_model.py tests/test_paged.py tests/test_drafter.py tests/test_rounds.py} > "$OUT/tests.txt" 2>&1
+  grep -E "^bf16|passed|failed|Error" "$OUT/tests.txt" | tail -15 ;;
+s4-270m)  # the default pair: assemble the carried GGUF (.gg/part*, xz), convert it, then the engine at bs 1 (16
+  # held-out prompts one at a time, 128 new tokens) over R and overlap, and bs 8
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl
+  cat .gg/part* | python3 -c "import lzma, sys, shutil; shutil.copyfileobj(lzma.LZMAFile(sys.stdin.buffer), \
+    open('/tmp/model.gguf', 'wb'))"
+  sha256sum /tmp/model.gguf > "$OUT/270m.log"
+  PYTHONPATH=/tmp/site:. python3 -c "
+from jaxspec.model import gguf
+try:
+    gguf.convert_gguf('/tmp/model.gguf', '/root/gemma-3-270m')
+except Exception as e:  # the image's transformers may lack the GGUF tokenizer converters: weights only (ids in)
+    print('tokenizer skipped:', e)
+    gguf._tokenizer = lambda meta: type('NoTokenizer', (), {'save_pretrained': lambda self, d: None})()
+    gguf.convert_gguf('/tmp/model.gguf', '/root/gemma-3-270m')
+from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())" >> "$OUT/270m.log" 2>&1
+  A=$(tail -1 "$OUT/270m.log")
+  timeout ${E2E_TIMEOUT:-400} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$A" \
+    --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 --modes off,bucketed \
+    --rounds-per-call "${RS:-1,2,4,8,16}" --overlap off,on --json "$OUT/e2e-270m-bs1.json" >> "$OUT/270m.log" 2>&1
+  timeout ${E2E8_TIMEOUT:-120} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$A" \
+    --prompts bench/prompts/270m-heldout.jsonl --bs 8 --requests 16 --new-tokens 128 --modes off,bucketed \
+    --rounds-per-call "${RS8:-1,8}" --overlap off,on --json "$OUT/e2e-270m-bs8.json" >> "$OUT/270m.log" 2>&1
+  grep "^e2e bs\|Error\|skipped" "$OUT/270m.log" | head -40 ;;
 esac

@@ -7,7 +7,6 @@ draft mode, rounds per call and overlap setting. `--requests N` runs N prompts w
 from __future__ import annotations
 
 import argparse
-import inspect
 import itertools
 import os
 from typing import NamedTuple
@@ -86,12 +85,8 @@ def e2e_pair(args):
 
 
 def make_engine(pair: Pair, bs: int, mode: str, args, **options) -> Engine:
-    """The engine of one row: one bucket of bs, at most bs requests running. `options` (rounds_per_call, overlap)
-    reach the Engine only when given on the command line, so that rows without them run on any engine."""
-    unknown = sorted(set(options) - set(inspect.signature(Engine).parameters))
-    if unknown:
-        raise ConfigError(f"this Engine takes no {', '.join(unknown)} (--rounds-per-call / --overlap need the "
-                          "device-paced engine of DESIGN.md §9)")
+    """The engine of one row: one bucket of bs, at most bs requests running; `options` (rounds_per_call, overlap) when
+    given on the command line, else the engine's defaults."""
     return Engine(pair.cfg, pair.params, acfg=pair.acfg, aparams=pair.aparams, k=args.k, draft_mode=mode,
                   buckets=(bs,), max_running=bs, page_size=args.page_size,
                   max_context=args.prompt_len + args.new_tokens + args.k + 2, prefill_chunk=args.chunk, **options)
@@ -143,7 +138,8 @@ def run(args) -> dict:
             profile_dir = None  # the bucketed rows of the first bs are traced, each into its own folder
             if args.profile_dir and mode == "bucketed" and bs == args.bs[0]:
                 profile_dir = os.path.join(args.profile_dir, f"row-{len(rows)}")
-            row = {"bs": bs, "mode": mode, "k": engine.k, "requests": len(prompts), **settings,
+            row = {"bs": bs, "mode": mode, "k": engine.k, "requests": len(prompts),
+                   "rounds_per_call": engine.config.rounds_per_call, "overlap": engine.config.overlap,
                    **measure(engine, prompts, args, profile_dir)}
             rows.append(row)
             given = "".join(f" {k} {v}" for k, v in settings.items() if v is not None)

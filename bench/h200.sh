@@ -120,7 +120,7 @@ lane-cb-e2e)  # the engine at bs 1, 1K, with each command-buffer update mode
 s4-e4b)  # session 4, issue #13: the engine at bs $BS, 1K prompt, plain and bucketed, R in $RS, overlap off/on; the
   # bucketed rows of the first bs are profiled (command buffers kept) for the GPU-busy fraction and round gap
   XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${E2E_TIMEOUT:-540} python3 -m jaxspec.bench \
-    e2e --bs "${BS:-1}" --prompt-len 1024 --modes off,bucketed --rounds-per-call "${RS:-1,8}" --overlap off,on \
+    e2e --bs "${BS:-1}" --prompt-len 1024 --modes "${MODES:-off,bucketed}" --rounds-per-call "${RS:-1,8}" --overlap off,on \
     ${PROFILE:+--profile-dir /tmp/prof} --json "$OUT/e2e-e4b-1k-bs${BS:-1}.json" > "$OUT/e2e-e4b-bs${BS:-1}.log" 2>&1
   grep "^e2e bs\|^trace\|Error" "$OUT/e2e-e4b-bs${BS:-1}.log" | head -30 ;;
 s4-tests)  # the transformers-equivalence tests on the GPU (Triton kernels, fp32): issue #14's GPU lane

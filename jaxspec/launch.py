@@ -32,7 +32,7 @@ def add_engine_args(p) -> None:
     p.add_argument("--kv-pages", type=int, default=None, help="full-pool pages (default: enough for every request)")
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--prefill-chunk", type=int, default=256)
-    p.add_argument("--rounds-per-call", type=int, default=4,
+    p.add_argument("--rounds-per-call", type=int, default=1,
                    help="speculative rounds per decode call, a device loop that stops early when every request is "
                         "done (more: fewer launches; a waiting request is admitted only between calls)")
     p.add_argument("--overlap", choices=("on", "off"), default="on",

@@ -130,7 +130,7 @@ s4-tests)  # the transformers-equivalence tests on the GPU (Triton kernels, fp32
 s4-270m)  # the default pair: assemble the carried GGUF (.gg/part*, xz), convert it, then the engine at bs 1 (16
   # held-out prompts one at a time, 128 new tokens) over R and overlap, and bs 8
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl
-  cat .gg/part* | python3 -c "import lzma, sys, shutil; shutil.copyfileobj(lzma.LZMAFile(sys.stdin.buffer), \
+  cat .gg?/part* | python3 -c "import lzma, sys, shutil; shutil.copyfileobj(lzma.LZMAFile(sys.stdin.buffer), \
     open('/tmp/model.gguf', 'wb'))"
   sha256sum /tmp/model.gguf > "$OUT/270m.log"
   PYTHONPATH=/tmp/site:. python3 -c "

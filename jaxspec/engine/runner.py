@@ -23,6 +23,12 @@ from jaxspec.sampling import SamplingMetadata
 UPLOAD_CACHE = 16  # device page tables kept for reuse (one per recent batch composition)
 
 
+def fetch(x: jax.Array) -> np.ndarray:
+    """An explicit device -> host transfer (the only kind the engine makes)."""
+    with jax.transfer_guard_device_to_host("allow"):
+        return jax.device_get(x)
+
+
 class Runner:
     def __init__(self, config: EngineConfig, programs: Programs, weights: Weights, cache: PagedKVCache):
         self.config, self.programs, self.weights, self.cache = config, programs, weights, cache
@@ -106,15 +112,14 @@ class Runner:
         _, pages = self.inputs(requests + [None] * (B - len(rows)))
         self.cache.kv, self.state, token = self.executables[("prefill", B, sample)](
             self.weights, self.cache.kv, self.state, batch, pages)
-        return np.asarray(token)
+        return fetch(token)  # the chunk's one device -> host transfer: each row's chosen token
 
     @staticmethod
     def read(out: jax.Array) -> np.ndarray:
         """The one device -> host transfer of a decode call: its committed tokens and counts (blocks until ready).
-        Every other transfer in a decode step is an explicit upload of changed inputs (tests run steps under
-        `jax.transfer_guard("disallow")`)."""
-        with jax.transfer_guard_device_to_host("allow"):
-            return jax.device_get(out)
+        Every other transfer in a step is an explicit upload of changed inputs or a prefill's tokens (tests run
+        steps under `jax.transfer_guard("disallow")`)."""
+        return fetch(out)
 
     def decode(self, requests: list[Request], bucket: int, drafts=None) -> jax.Array:
         """Launch one decode call (rounds_per_call rounds); returns its output on the device, not waited for:

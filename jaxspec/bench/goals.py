@@ -105,6 +105,17 @@ def timestamp(date) -> float:
         return -math.inf
 
 
+# XLA flags that change only what a trace shows, never what production runs
+NEUTRAL_XLA_FLAGS = {"--xla_enable_command_buffers_during_profiling=true"}
+
+
+def experiment(path: str, record: dict) -> bool:
+    """A run that is not the shipped configuration: other XLA flags than NEUTRAL_XLA_FLAGS, or a file named as an
+    experiment (e.g. a change that was measured and reverted). Goals never come from one."""
+    flags = set(str(record.get("xla_flags") or "").split())
+    return bool(flags - NEUTRAL_XLA_FLAGS) or "experiment" in os.path.basename(path)
+
+
 def results(directory: str) -> list[tuple[str, dict]]:
     """(path, record) of every result file in `directory`, newest first (by its date, then its mtime)."""
     if not os.path.isdir(directory):
@@ -116,7 +127,7 @@ def results(directory: str) -> list[tuple[str, dict]]:
                 record = json.load(f)
         except (OSError, ValueError):
             continue
-        if isinstance(record, dict) and "subcommand" in record:
+        if isinstance(record, dict) and "subcommand" in record and not experiment(path, record):
             found.append((path, record))
     return sorted(found, key=lambda pr: (timestamp(pr[1].get("date")), os.path.getmtime(pr[0])), reverse=True)
 

@@ -84,3 +84,22 @@ def tiny_vocab_pair(V=6):
     params["embed"] = params["embed"] * 15.0  # logits of std ~2: far from uniform, yet every token is plausible
     acfg = assistant_preset(base, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, ordered=False)
     return base, params, acfg, random_assistant_params(acfg, 4, jnp.float32)
+
+
+# ---- what the page pool holds, read from its bookkeeping (tests only) -------------------------------------------------
+
+
+def full_pages_of(pool, rid) -> int:
+    return len(pool._requests[rid].full_pages)
+
+
+def swa_pages_of(pool, rid) -> int:
+    return len(pool._requests[rid].swa_pages)
+
+
+def owned_full_pages(pool) -> set[int]:
+    return {p for r in pool._requests.values() for p in r.full_pages}
+
+
+def owned_swa_pages(pool) -> set[int]:
+    return {p for r in pool._requests.values() for p in r.swa_pages.values()}

@@ -252,7 +252,7 @@ def test_comparison_catches_a_one_key_window(pair, monkeypatch):
 def test_comparison_catches_a_zeroed_pending_token(pair, monkeypatch):
     def zero_pending(m):
         real = bucketed_mod.propose
-        m.setattr(bucketed_mod, "propose", lambda ap, ac, emb, pending, *a: real(ap, ac, emb, pending * 0, *a))
+        m.setattr(bucketed_mod, "propose", lambda ap, ac, emb, pending, *a, **kw: real(ap, ac, emb, pending * 0, *a, **kw))
     assert _mismatch_rate(pair, monkeypatch, zero_pending) > 0.3
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import golden_path
+from conftest import golden_path, owned_full_pages, owned_swa_pages, swa_pages_of
 from jaxspec.config import FULL
 from jaxspec.model import gemma4
 from jaxspec.model.weights import load_target
@@ -38,7 +38,7 @@ def poison_slots(cache, t, slots, value, layers=slice(None)):
 def fill_free_pages(cache, value):
     """Overwrite every page no live request owns (dummy page included) with `value`."""
     for t in cache.kv:
-        owned = cache.pool.owned_full_pages() if t == FULL else cache.pool.owned_swa_pages()
+        owned = owned_full_pages(cache.pool) if t == FULL else owned_swa_pages(cache.pool)
         n = cache.spec.num_full_pages if t == FULL else cache.spec.num_swa_pages
         free = np.setdiff1d(np.arange(n), list(owned))
         poison_slots(cache, t, (free[:, None] * cache.spec.page_size + np.arange(cache.spec.page_size)).reshape(-1),
@@ -153,7 +153,7 @@ def check_paged_equals_dense(cfg, params, use_kernels, tol, dtype):
     got = scenario(cache, params, cfg, seqs, use_kernels=use_kernels)
     compare(cfg, params, seqs, got, tol)
     for rid in seqs:
-        assert cache.pool.swa_pages_of(rid) <= cache.pool.swa_pages_bound
+        assert swa_pages_of(cache.pool, rid) <= cache.pool.swa_pages_bound
         cache.pool.free(rid)
     assert cache.pool.num_free_full == cache.spec.num_full_pages - 1
     assert cache.pool.num_free_swa == cache.spec.num_swa_pages - 1

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from conftest import full_pages_of, swa_pages_of
 from jaxspec.paged_kv.pool import PagePool
 
 
@@ -27,7 +28,7 @@ def snapshot(pool):
         swa_of_full=pool.swa_of_full.copy(),
         version=pool.version,
         free=(pool.num_free_full, pool.num_free_swa),
-        counts=[(pool.full_pages_of(r), pool.swa_pages_of(r)) for r in rids],
+        counts=[(full_pages_of(pool, r), swa_pages_of(pool, r)) for r in rids],
     )
 
 
@@ -63,9 +64,9 @@ def check_invariants(pool, windows):
 
     for row, rid in enumerate(rids):
         start, end = windows[rid]
-        num_full = pool.full_pages_of(rid)
+        num_full = full_pages_of(pool, rid)
         assert (table[row, :num_full] != 0).all() and (table[row, num_full:] == 0).all()
-        assert np.count_nonzero(swa[row]) == pool.swa_pages_of(rid) <= pool.swa_pages_bound
+        assert np.count_nonzero(swa[row]) == swa_pages_of(pool, rid) <= pool.swa_pages_bound
         assert (table[row, np.arange(end) // page_size] != 0).all()
         window_start = max(0, start - keep)
         assert (swa[row, np.arange(window_start, end) // page_size] != 0).all()
@@ -167,7 +168,7 @@ def test_swa_bound_holds_far_past_the_window():
         assert pool.prepare("a", start, end)
         windows["a"] = (start, end)
         check_invariants(pool, windows)
-    assert pool.full_pages_of("a") == -(-end // 4)
+    assert full_pages_of(pool, "a") == -(-end // 4)
 
 
 @pytest.mark.parametrize("short_of", ["full", "swa"])
@@ -203,7 +204,7 @@ def test_released_swa_pages_count_toward_a_prepare():
     pool.add("a")
     for start in range(0, 200, 8):
         assert pool.prepare("a", start, start + 8)
-    assert pool.num_free_swa + pool.swa_pages_of("a") == pool.num_swa_pages - 1
+    assert pool.num_free_swa + swa_pages_of(pool, "a") == pool.num_swa_pages - 1
 
 
 def test_allocation_is_deterministic_and_skips_page_zero():

@@ -41,7 +41,7 @@ def draft(aparams, target_embed, kv, pages: PageTables, cached_len, pending_toke
     types = acfg.text.layer_types
     meta = draft_metadata(spec, pages, cached_len, acfg.text.sliding_window, types, use_kernels=use_kernels)
     attend = draft_attend(target, types, meta, use_kernels=use_kernels)
-    return propose(aparams, acfg, target_embed, pending_token, seed_hidden, cached_len, attend, kv, k)
+    return propose(aparams, acfg, target_embed, pending_token, seed_hidden, cached_len, attend, kv, k=k)
 
 
 def chunks(n: int, buckets: tuple[int, ...]) -> list[tuple[int, int, int]]:

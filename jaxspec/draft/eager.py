@@ -64,5 +64,5 @@ class EagerDrafter:
         precision = matmul_precision(self.target_embed.dtype)
         with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
             drafts, h = propose(self.aparams, self.acfg, self.target_embed, jnp.asarray(pending_token, jnp.int32),
-                                seeds, jnp.asarray(cached_len), attend, self.cache.kv, self.k)
+                                seeds, jnp.asarray(cached_len), attend, self.cache.kv, k=self.k)
         return np.asarray(drafts), np.asarray(h)

@@ -79,12 +79,13 @@ def draft_token(aparams, acfg: AssistantConfig, hn):
     return jnp.min(jnp.where(sel == best, cand, acfg.vocab_size), axis=-1).astype(jnp.int32)
 
 
-def propose(aparams, acfg: AssistantConfig, target_embed, pending, seed_hidden, positions, attend, cache, k: int):
+def propose(aparams, acfg: AssistantConfig, target_embed, pending_token, seed_hidden, cached_len, attend, cache, *,
+            k: int):
     """k recurrent draft steps at one position over one window: step 1 takes the pending token and the target's
     seed hidden, step j+1 takes draft j and step j's h_next. Returns (drafts int32[B, k], last h_next [B, H_t])."""
-    tokens, h, drafts = pending, seed_hidden, []
+    tokens, h, drafts = pending_token, seed_hidden, []
     for _ in range(k):
-        hn, h = draft_hidden(aparams, acfg, target_embed, tokens, h, positions, attend, cache)
+        hn, h = draft_hidden(aparams, acfg, target_embed, tokens, h, cached_len, attend, cache)
         tokens = draft_token(aparams, acfg, hn)
         drafts.append(tokens)
     return jnp.stack(drafts, axis=1), h

@@ -122,18 +122,6 @@ class PagePool:
     def requests(self) -> tuple[Hashable, ...]:
         return tuple(self._requests)
 
-    def full_pages_of(self, rid: Hashable) -> int:
-        return len(self._requests[rid].full_pages)
-
-    def swa_pages_of(self, rid: Hashable) -> int:
-        return len(self._requests[rid].swa_pages)
-
-    def owned_full_pages(self) -> set[int]:
-        return {p for r in self._requests.values() for p in r.full_pages}
-
-    def owned_swa_pages(self) -> set[int]:
-        return {p for r in self._requests.values() for p in r.swa_pages.values()}
-
     def add(self, rid: Hashable) -> None:
         if rid is None:
             raise ValueError("None marks a padding row in page_table; it cannot be a request id")

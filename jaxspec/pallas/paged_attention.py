@@ -35,8 +35,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _attention_kernel(span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, k_ref, v_ref,
-                      o_ref, *ml_refs, scale: float, block_k: int, num_splits: int, layer: int | None):
+def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer: int | None):
     """Program (b, h, row_block, split): unnormalised attention of one query block over one piece of live keys
     (num_splits == 1: the normalised output, in o_ref's dtype; a row that saw no key gets 0).
 
@@ -45,6 +44,7 @@ def _attention_kernel(span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi
     q_ref: [block_q, D]; k_ref, v_ref: [num_slots, KVH, D], or [L, num_slots, KVH, D] read at `layer`
     o_ref: fp32[block_q, D] accumulator, m_ref / l_ref: fp32[block_q] running max / sum (max -inf: no key seen)
     """
+    span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs = refs
     b = pl.program_id(0)
     h = pl.program_id(1)
     split = pl.program_id(3)

@@ -1,0 +1,5 @@
+import sys
+
+from jaxspec.serve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,179 @@
+"""The engine thread: the one owner of the engine, between the asyncio server and the device.
+
+It loops `engine.step()` while there is work, takes new requests and cancellations from a thread-safe inbox between
+steps (blocking on it when idle), and hands each request's newly committed tokens to the event loop with
+`loop.call_soon_threadsafe`, so the event loop never waits on the device and requests that arrive while others
+decode join at the next step (continuous batching; beyond --max-running-requests the scheduler queues them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+import sys
+import threading
+import traceback
+
+from jaxspec.config import ConfigError
+from jaxspec.engine import Request
+from jaxspec.serve.protocol import ApiError
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """What a request gained in one step."""
+
+    tokens: list[int]  # newly committed token ids
+    finish_reason: str | None = None  # set on the last update: "stop" or "length"
+    text: str | None = None  # with finish_reason: the whole output text (stop strings cut), when there is a tokenizer
+    error: ApiError | None = None  # the request failed; nothing follows
+
+
+@dataclasses.dataclass
+class _Live:
+    req: Request
+    sink: asyncio.Queue
+    sent: int = 0  # output tokens handed over
+    rounds_seen: int = 0  # accept_lengths entries counted into the metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The engine's figures for /metrics, replaced whole after each step (one reference: a consistent view)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    swa_pages_used: int = 0
+    swa_pages_total: int = 0
+    generated_tokens: int = 0
+    accepted_tokens: int = 0  # tokens committed by decode rounds (the accept lengths' sum)
+    decode_rounds: int = 0  # rounds seen per request (the accept lengths' count)
+    device_rounds: int = 0  # speculative rounds the device ran (a round serves every running request)
+    requests_finished: int = 0
+    requests_failed: int = 0
+
+
+class EngineThread:
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop):
+        self.engine, self.loop = engine, loop
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[int, _Live] = {}
+        self._totals = {"generated_tokens": 0, "accepted_tokens": 0, "decode_rounds": 0, "requests_finished": 0,
+                        "requests_failed": 0}
+        self.snapshot = Snapshot()
+        self._snap()
+        self._thread = threading.Thread(target=self._run, name="jaxspec-engine", daemon=True)
+
+    # ---- called from the event loop ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, req: Request) -> asyncio.Queue:
+        """Queue req; its updates arrive on the returned queue (read it in the event loop)."""
+        sink: asyncio.Queue = asyncio.Queue()
+        self._inbox.put(("add", req, sink))
+        return sink
+
+    def cancel(self, req: Request) -> None:
+        """The client went away: the engine stops req and frees its pages (in the engine thread, between steps)."""
+        self._inbox.put(("cancel", req, None))
+
+    def stop(self) -> None:
+        self._inbox.put(("stop", None, None))
+        self._thread.join()
+
+    # ---- the engine thread ---------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            # idle: sleep until a request comes; busy: take what has come and step
+            block = not self.engine.has_work()
+            while True:
+                try:
+                    kind, req, sink = self._inbox.get(block=block)
+                except queue.Empty:
+                    break
+                block = False
+                if kind == "stop":
+                    return
+                if kind == "add":
+                    self._add(req, sink)
+                else:
+                    self._cancel(req)
+            if self.engine.has_work():
+                try:
+                    updated = self.engine.step()
+                except Exception:
+                    self._fail_all()
+                    continue
+                self._publish(updated)
+            self._snap()
+
+    def _add(self, req: Request, sink: asyncio.Queue) -> None:
+        try:
+            self.engine.add_request(req)
+        except ConfigError as e:
+            self._send(sink, Update([], error=ApiError(str(e))))
+            return
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            self._send(sink, Update([], error=ApiError(f"internal error: {e}", status=500, kind="internal_error")))
+            return
+        self._live[req.request_id] = _Live(req, sink)
+
+    def _cancel(self, req: Request) -> None:
+        if self._live.pop(req.request_id, None) is not None:
+            self.engine.cancel(req)
+
+    def _publish(self, updated: list[Request]) -> None:
+        t = self._totals
+        for r in updated:
+            live = self._live.get(r.request_id)
+            if live is None:
+                continue
+            new = r.output_ids[live.sent:]
+            live.sent = len(r.output_ids)
+            t["generated_tokens"] += len(new)
+            t["accepted_tokens"] += sum(r.accept_lengths[live.rounds_seen:])
+            t["decode_rounds"] += len(r.accept_lengths) - live.rounds_seen
+            live.rounds_seen = len(r.accept_lengths)
+            if r.finished:
+                del self._live[r.request_id]
+                t["requests_finished"] += 1
+                self._send(live.sink, Update(new, r.finish_reason, r.text))
+            elif new:
+                self._send(live.sink, Update(new))
+
+    def _fail_all(self) -> None:
+        """A step raised: which request caused it is unknown, so every live one fails (500) and is cancelled; the
+        thread goes on serving new requests."""
+        traceback.print_exc(file=sys.stderr)
+        error = ApiError("internal error in the engine step; the request was cancelled", status=500,
+                         kind="internal_error")
+        for live in list(self._live.values()):
+            self._send(live.sink, Update([], error=error))
+            self._totals["requests_failed"] += 1
+            try:
+                self.engine.cancel(live.req)
+            except Exception:
+                traceback.print_exc(file=sys.stderr)
+        self._live.clear()
+
+    def _send(self, sink: asyncio.Queue, update: Update) -> None:
+        self.loop.call_soon_threadsafe(sink.put_nowait, update)
+
+    def _snap(self) -> None:
+        e = self.engine
+        pool = e.cache.pool
+        self.snapshot = Snapshot(
+            running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
+            kv_pages_used=pool.num_full_pages - 1 - pool.num_free_full, kv_pages_total=pool.num_full_pages - 1,
+            swa_pages_used=pool.num_swa_pages - 1 - pool.num_free_swa, swa_pages_total=pool.num_swa_pages - 1,
+            device_rounds=e.stats.rounds, **self._totals)

@@ -1,0 +1,266 @@
+"""`python -m jaxspec.serve` end to end: one server subprocess (the tiny e2b pair with a word-level tokenizer and a chat
+template) driven by the official `openai` client, against `python -m jaxspec.generate --output` for the same prompts
+and flags; bad requests; a client that disconnects; incremental text on a byte-level tokenizer."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from conftest import golden_path
+
+ENGINE = ["--assistant", golden_path("e2b", "assistant"), "--draft-bs", "1,8", "--max-running-requests", "8",
+          "--page-size", "4", "--max-context", "128", "--prefill-chunk", "8"]
+TEMPLATE = "{% for m in messages %}w10 {{ m['content'] }} w11 {% endfor %}{% if add_generation_prompt %}w12{% endif %}"
+PROMPTS = [" ".join(f"w{(37 * i + 11 * j) % 500 + 5}" for j in range(2 + i % 7)) for i in range(32)]
+NEW = 12
+SAMPLED = {"prompt": "w40 w41 w42", "temperature": 0.9, "top_p": 0.95, "seed": 5}
+
+
+def word_tokenizer(d, chat_template=None):
+    """Token i is the word 'w{i}' (0, 1, 3 are <pad>, <eos>, <unk>), saved into folder d (if given)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(512) if i not in (0, 1, 3)} | {"<pad>": 0, "<eos>": 1, "<unk>": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    fast.chat_template = chat_template
+    if d:
+        fast.save_pretrained(d)
+    return fast
+
+
+def env():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_backend_optimization_level=0")}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base URL, tokenizer, generate's greedy records, generate's sampled record). The server and both generate runs
+    start together: their compiles overlap."""
+    tmp = tmp_path_factory.mktemp("serve")
+    model = tmp / "target"
+    shutil.copytree(golden_path("e2b", "target"), model)
+    tokenizer = word_tokenizer(model, TEMPLATE)
+    (tmp / "p.txt").write_text("\n".join(PROMPTS) + "\n")
+    gen = [sys.executable, "-m", "jaxspec.generate", "--model", str(model), *ENGINE, "--quiet"]
+    greedy = subprocess.Popen(gen + ["--prompts", str(tmp / "p.txt"), "--max-new-tokens", str(NEW), "--output",
+                                     str(tmp / "greedy.jsonl")], env=env(), stdout=subprocess.DEVNULL)
+    sampled = subprocess.Popen(gen + ["--prompt", SAMPLED["prompt"], "--max-new-tokens", str(NEW), "--temperature",
+                                      str(SAMPLED["temperature"]), "--top-p", str(SAMPLED["top_p"]), "--seed",
+                                      str(SAMPLED["seed"]), "--output", str(tmp / "sampled.jsonl")],
+                               env=env(), stdout=subprocess.DEVNULL)
+    err = open(tmp / "server.err", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "jaxspec.serve", "--model", str(model), *ENGINE, "--port", "0"],
+                            env=env(), stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ready: http://127.0.0.1:"), (line, (tmp / "server.err").read_text())
+        url = line.split()[1]
+        assert greedy.wait() == 0 and sampled.wait() == 0
+        records = [json.loads(x) for x in (tmp / "greedy.jsonl").read_text().splitlines()]
+        (record,) = [json.loads(x) for x in (tmp / "sampled.jsonl").read_text().splitlines()]
+        yield url, tokenizer, records, record
+        assert proc.poll() is None, (tmp / "server.err").read_text()  # no request killed it
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        err.close()
+    assert "Traceback" not in (tmp / "server.err").read_text()
+
+
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def metrics(url) -> dict:
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return {k: float(v) for k, v in (x.split() for x in lines if x and not x.startswith("#"))}
+
+
+def streamed(stream):
+    """(text, token ids, finish_reason) of a streamed completion."""
+    text, ids, reason = "", [], None
+    for chunk in stream:
+        (c,) = chunk.choices
+        text += c.text
+        ids += c.model_extra["token_ids"]
+        reason = c.finish_reason or reason
+    return text, ids, reason
+
+
+def test_health_and_models(server):
+    url = server[0]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    (m,) = client(url).models.list().data
+    assert m.id.endswith("target") and m.model_extra["max_model_len"] == 128
+
+
+def test_32_concurrent_clients_equal_generate(server):
+    """Half stream, half do not; up to 8 run at once (the rest queue); each output equals generate's."""
+    url, _, records, _ = server
+    c = client(url)
+
+    def one(i):
+        if i % 2:
+            r = c.completions.create(model="m", prompt=PROMPTS[i], max_tokens=NEW, temperature=0)
+            (ch,) = r.choices
+            assert r.usage.prompt_tokens == len(records[i]["prompt_ids"])
+            assert r.usage.completion_tokens == len(ch.model_extra["token_ids"])
+            return ch.text, ch.model_extra["token_ids"], ch.finish_reason
+        return streamed(c.completions.create(model="m", prompt=PROMPTS[i], max_tokens=NEW, temperature=0,
+                                             stream=True))
+
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(one, range(32)))
+    for (text, ids, reason), rec in zip(got, records):
+        assert ids == rec["output_ids"] and text == rec["text"] and reason == rec["finish_reason"]
+
+
+def test_sampled_request_equals_generate(server):
+    url, _, _, rec = server
+    r = client(url).completions.create(model="m", max_tokens=NEW, **SAMPLED)
+    assert r.choices[0].model_extra["token_ids"] == rec["output_ids"]
+    other = client(url).completions.create(model="m", max_tokens=NEW, **{**SAMPLED, "seed": 6})
+    assert other.choices[0].model_extra["token_ids"] != rec["output_ids"]
+
+
+def test_stream_with_usage_and_stop_string(server):
+    url, _, records, _ = server
+    rec = next(r for r in records if len(r["text"].split()) > 4)
+    stop = rec["text"].split()[3]
+    text, ids, reason = streamed(client(url).completions.create(
+        model="m", prompt=PROMPTS[records.index(rec)], max_tokens=NEW, temperature=0, stop=[stop], stream=True))
+    assert reason == "stop" and text == rec["text"][: rec["text"].index(stop)]
+    assert ids == rec["output_ids"][: len(ids)]
+    chunks = list(client(url).completions.create(model="m", prompt=[5, 6, 7], max_tokens=4, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == 3
+    assert chunks[-1].usage.completion_tokens == sum(len(c.choices[0].model_extra["token_ids"]) for c in chunks[:-1])
+
+
+def test_chat_renders_the_template(server):
+    url, tokenizer, _, _ = server
+    messages = [{"role": "system", "content": "w7 w8"}, {"role": "user", "content": "w20 w21 w22"}]
+    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False)["input_ids"]
+    assert ids == [10, 7, 8, 11, 10, 20, 21, 22, 11, 12]
+    c = client(url)
+    plain = c.completions.create(model="m", prompt=ids, max_tokens=8, temperature=0)
+    chat = c.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == plain.choices[0].text and chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == len(ids) and chat.choices[0].finish_reason == plain.choices[0].finish_reason
+    chunks = list(c.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == plain.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_disconnect_mid_stream_frees_pages(server):
+    url = server[0]
+    idle = metrics(url)
+    assert idle["jaxspec_kv_pages_used"] == 0 and idle["jaxspec_requests_running"] == 0
+    stream = client(url).completions.create(model="m", prompt=[5, 6, 7], max_tokens=120, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert metrics(url)["jaxspec_kv_pages_used"] > 0
+    stream.close()
+    for _ in range(100):
+        now = metrics(url)
+        if now["jaxspec_kv_pages_used"] == 0 and now["jaxspec_requests_running"] == 0:
+            break
+        time.sleep(0.05)
+    assert now["jaxspec_kv_pages_used"] == 0 and now["jaxspec_swa_pages_used"] == 0
+    assert now["jaxspec_requests_finished_total"] == idle["jaxspec_requests_finished_total"]  # cancelled, not done
+    assert now["jaxspec_generated_tokens_total"] - idle["jaxspec_generated_tokens_total"] < 120
+
+
+BAD = [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [5, 512]}, "prompt"),  # the vocabulary is 0..511
+    ({"prompt": [5, -1]}, "prompt"),
+    ({"prompt": list(range(5, 130))}, "prompt"),  # longer than the context of 128
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": ["w5", "w6"]}, "prompt"),
+    ({"prompt": "w5", "n": 2}, "n"),
+    ({"prompt": "w5", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "w5", "max_tokens": -4}, "max_tokens"),
+    ({"prompt": "w5", "max_tokens": "8"}, "max_tokens"),
+    ({"prompt": "w5", "temperature": -0.5}, "temperature"),
+    ({"prompt": "w5", "top_p": 0}, "top_p"),
+    ({"prompt": "w5", "top_p": 1.5}, "top_p"),
+    ({"prompt": "w5", "stop": ""}, "stop"),
+    ({"prompt": "w5", "stop": 3}, "stop"),
+    ({"prompt": "w5", "stream": "yes"}, "stream"),
+    ({"prompt": "w5", "logprobs": 2}, "logprobs"),
+    ({"max_tokens": 3}, "prompt"),
+    ("not json", None),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_request_gets_400_and_the_server_keeps_serving(server, body, param):
+    url = server[0]
+    kw = {"content": body} if isinstance(body, str) else {"json": body}
+    r = httpx.post(url + "/v1/completions", headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+    assert set(err) == {"message", "type", "param", "code"}
+    ok = client(url).completions.create(model="m", prompt=[5, 6], max_tokens=2, temperature=0, extra_body={"x": 1})
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_bad_chat_requests(server):
+    url = server[0]
+    for body in ({"messages": []}, {"messages": [{"content": "w5"}]}, {"messages": "w5"}):
+        r = httpx.post(url + "/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+def test_chat_needs_a_template():
+    from jaxspec.serve.protocol import ApiError, ChatRequest, chat_prompt
+
+    body = ChatRequest(messages=[{"role": "user", "content": "w5"}])
+    for tokenizer in (None, word_tokenizer(None)):
+        with pytest.raises(ApiError) as e:
+            chat_prompt(body, tokenizer)
+        assert e.value.status == 400 and "template" in e.value.message
+
+
+def test_incremental_text_keeps_multibyte_characters():
+    """A byte-level BPE that knows only ASCII merges splits each non-ASCII character over several tokens: the streamed
+    pieces must never show half a character, and must add up to the whole text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxspec.engine import Request
+    from jaxspec.serve.app import Reply
+    from jaxspec.serve.bridge import Update
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello world, plain ascii text"] * 10, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    text = "héllo wörld 😀 日本語 ok"
+    ids = fast(text)["input_ids"]
+    assert len(ids) > len(text)  # characters do span several tokens
+    reply = Reply(False, "m", fast, Request(prompt_ids=[1]))
+    pieces = [reply.delta(ids[: n + 1], Update([t])) for n, t in enumerate(ids[:-1])]
+    pieces.append(reply.delta(ids, Update([ids[-1]], "length", fast.decode(ids))))
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text

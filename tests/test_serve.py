@@ -264,3 +264,22 @@ def test_incremental_text_keeps_multibyte_characters():
     pieces.append(reply.delta(ids, Update([ids[-1]], "length", fast.decode(ids))))
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == text
+
+
+def test_bench_serve_smoke(server, tmp_path):
+    """`python -m jaxspec.bench serve --url` against the module's server: the rows and keys it promises (no timing
+    is asserted: figures come from the H200)."""
+    from jaxspec import bench
+
+    url = server[0]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [5, 6, 7]}\n{"prompt": "w9 w10"}\n')
+    path = tmp_path / "serve.json"
+    bench.main(["serve", "--url", url, "--clients", "1,3", "--requests-per-client", "2", "--max-tokens", "5",
+                "--prompts", str(prompts), "--json", str(path)])
+    r = json.loads(path.read_text())
+    assert r["subcommand"] == "serve" and r["model"].endswith("target")
+    assert [(x["clients"], x["requests"], x["output_tokens"]) for x in r["rows"]] == [(1, 2, 10), (3, 6, 30)]
+    for x in r["rows"]:
+        assert x["throughput_tokens_per_s"] > 0 and x["device_rounds"] > 0 and x["mean_accept_length"] >= 1
+        assert all(x[f"{m}_ms_p{p}"] is not None for m in ("ttft", "itl") for p in (50, 90, 99))

@@ -215,6 +215,8 @@ def prometheus_text(s) -> str:
         ("swa_pages_used", "gauge", "sliding-window-pool pages held by requests", s.swa_pages_used),
         ("swa_pages_total", "gauge", "sliding-window-pool pages", s.swa_pages_total),
         ("generated_tokens_total", "counter", "tokens committed to requests", s.generated_tokens),
+        ("accepted_tokens_total", "counter", "tokens committed by decode rounds", s.accepted_tokens),
+        ("request_rounds_total", "counter", "decode rounds summed over requests", s.decode_rounds),
         ("mean_accept_length", "gauge", "tokens committed per request per decode round", mean_accept),
         ("decode_rounds_total", "counter", "speculative rounds the device ran", s.device_rounds),
         ("requests_finished_total", "counter", "requests that ran to a stop or their length", s.requests_finished),

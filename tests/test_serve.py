@@ -2,12 +2,14 @@
 template) driven by the official `openai` client, against `python -m jaxspec.generate --output` for the same prompts
 and flags; bad requests; a client that disconnects; incremental text on a byte-level tokenizer."""
 
+import asyncio
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -47,31 +49,30 @@ def env():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """(base URL, tokenizer, generate's greedy records, generate's sampled record). The server and both generate runs
-    start together: their compiles overlap."""
+    """(base URL, tokenizer, generate's greedy records, generate's sampled record). generate runs in this process
+    while the server compiles in its own."""
+    from jaxspec.generate import main as generate
+
     tmp = tmp_path_factory.mktemp("serve")
     model = tmp / "target"
     shutil.copytree(golden_path("e2b", "target"), model)
     tokenizer = word_tokenizer(model, TEMPLATE)
-    (tmp / "p.txt").write_text("\n".join(PROMPTS) + "\n")
-    gen = [sys.executable, "-m", "jaxspec.generate", "--model", str(model), *ENGINE, "--quiet"]
-    greedy = subprocess.Popen(gen + ["--prompts", str(tmp / "p.txt"), "--max-new-tokens", str(NEW), "--output",
-                                     str(tmp / "greedy.jsonl")], env=env(), stdout=subprocess.DEVNULL)
-    sampled = subprocess.Popen(gen + ["--prompt", SAMPLED["prompt"], "--max-new-tokens", str(NEW), "--temperature",
-                                      str(SAMPLED["temperature"]), "--top-p", str(SAMPLED["top_p"]), "--seed",
-                                      str(SAMPLED["seed"]), "--output", str(tmp / "sampled.jsonl")],
-                               env=env(), stdout=subprocess.DEVNULL)
     err = open(tmp / "server.err", "w")
     proc = subprocess.Popen([sys.executable, "-m", "jaxspec.serve", "--model", str(model), *ENGINE, "--port", "0"],
                             env=env(), stdout=subprocess.PIPE, stderr=err, text=True)
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("ready: http://127.0.0.1:"), (line, (tmp / "server.err").read_text())
-        url = line.split()[1]
-        assert greedy.wait() == 0 and sampled.wait() == 0
+        (tmp / "p.txt").write_text("\n".join(PROMPTS) + "\n")
+        gen = ["--model", str(model), *ENGINE, "--quiet", "--max-new-tokens", str(NEW)]
+        assert generate(gen + ["--prompts", str(tmp / "p.txt"), "--output", str(tmp / "greedy.jsonl")]) == 0
+        # a sampled request's tokens do not depend on its batch (DESIGN §3): one bucket is enough
+        assert generate(gen + ["--draft-bs", "1", "--prompt", SAMPLED["prompt"], "--temperature",
+                               str(SAMPLED["temperature"]), "--top-p", str(SAMPLED["top_p"]), "--seed",
+                               str(SAMPLED["seed"]), "--output", str(tmp / "sampled.jsonl")]) == 0
         records = [json.loads(x) for x in (tmp / "greedy.jsonl").read_text().splitlines()]
         (record,) = [json.loads(x) for x in (tmp / "sampled.jsonl").read_text().splitlines()]
-        yield url, tokenizer, records, record
+        line = proc.stdout.readline()
+        assert line.startswith("ready: http://127.0.0.1:"), (line, (tmp / "server.err").read_text())
+        yield line.split()[1], tokenizer, records, record
         assert proc.poll() is None, (tmp / "server.err").read_text()  # no request killed it
     finally:
         proc.terminate()
@@ -138,8 +139,9 @@ def test_sampled_request_equals_generate(server):
 
 def test_stream_with_usage_and_stop_string(server):
     url, _, records, _ = server
-    rec = next(r for r in records if len(r["text"].split()) > 4)
-    stop = rec["text"].split()[3]
+    # a stop string over two tokens: the first one's text must be held back until the second decides
+    rec = next(r for r in records if len(r["text"].split()) > 5)
+    stop = " ".join(rec["text"].split()[3:5])
     text, ids, reason = streamed(client(url).completions.create(
         model="m", prompt=PROMPTS[records.index(rec)], max_tokens=NEW, temperature=0, stop=[stop], stream=True))
     assert reason == "stop" and text == rec["text"][: rec["text"].index(stop)]
@@ -283,3 +285,80 @@ def test_bench_serve_smoke(server, tmp_path):
     for x in r["rows"]:
         assert x["throughput_tokens_per_s"] > 0 and x["device_rounds"] > 0 and x["mean_accept_length"] >= 1
         assert all(x[f"{m}_ms_p{p}"] is not None for m in ("ttft", "itl") for p in (50, 90, 99))
+
+
+class FlakyEngine:
+    """The engine's serving API, failing on purpose: add_request raises for prompt [666], step raises while a request
+    with prompt [13] runs; others get one token a step and finish after two."""
+
+    def __init__(self):
+        self.running, self.stats = [], types.SimpleNamespace(rounds=0)
+        pool = types.SimpleNamespace(num_full_pages=9, num_free_full=8, num_swa_pages=9, num_free_swa=8)
+        self.cache, self.scheduler = types.SimpleNamespace(pool=pool), types.SimpleNamespace(running=[], waiting=[])
+
+    def add_request(self, req):
+        if req.prompt_ids == [666]:
+            raise RuntimeError("add failed")
+        self.running.append(req)
+
+    def has_work(self):
+        return bool(self.running)
+
+    def cancel(self, req):
+        self.running.remove(req)
+
+    def step(self):
+        if any(r.prompt_ids == [13] for r in self.running):
+            raise RuntimeError("step failed")
+        for r in self.running:
+            r.output_ids.append(7)
+            r.finish_reason = "length" if len(r.output_ids) == 2 else None
+        done, self.running = self.running, [r for r in self.running if not r.finished]
+        return done
+
+
+def test_engine_thread_survives_engine_errors():
+    """An exception in the engine thread fails the requests it concerns (500) and the thread serves the next ones."""
+    from jaxspec.engine import Request
+    from jaxspec.serve.bridge import EngineThread
+
+    async def main():
+        bridge = EngineThread(FlakyEngine(), asyncio.get_running_loop())
+        bridge.start()
+
+        async def updates(prompt):
+            sink, out = bridge.submit(Request(prompt_ids=prompt)), []
+            while not out or not (out[-1].finish_reason or out[-1].error):
+                out.append(await asyncio.wait_for(sink.get(), 10))
+            return out
+
+        try:
+            (add,) = await updates([666])
+            assert add.error.status == 500
+            (step,) = await updates([13])
+            assert step.error.status == 500
+            ok = await updates([5])
+            assert [u.tokens for u in ok] == [[7], [7]] and ok[-1].finish_reason == "length"
+            assert bridge.alive() and bridge.snapshot.requests_failed == 1
+        finally:
+            bridge.stop()
+
+    asyncio.run(main())
+
+
+def test_bad_flags_exit_2(capsys):
+    """Bad flags and an unusable port: one line, exit 2, before any model loads."""
+    import socket
+
+    from jaxspec.serve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--port", "x"])
+    assert e.value.code == 2
+    assert main(["--port", "70000"]) == 2
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["--port", str(taken.getsockname()[1])]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 and all(x.startswith("error: ") for x in lines), lines

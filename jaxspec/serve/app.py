@@ -138,7 +138,7 @@ async def stream(bridge: EngineThread, req, sink: asyncio.Queue, reply: "Reply",
             if delta or done or reply.tokenizer is None:
                 yield sse(reply.chunk(delta, held, u.finish_reason))
                 held = []
-        if include_usage and not (u.error):
+        if include_usage and not u.error:
             yield sse(reply.usage_chunk(len(tokens)))
         yield "data: [DONE]\n\n"
     finally:

@@ -4,7 +4,9 @@ inter-token latency percentiles, one row per client count.
 It measures a running server (`--url`) or starts `python -m jaxspec.serve` itself (`--model`, `--assistant`,
 `--server-args`, this command's --page-size) on a free port and stops it afterwards. Each client sends
 --requests-per-client streaming completions one after another (`max_tokens` = --max-tokens, `ignore_eos`, so every
-request produces the same number of tokens); prompts cycle through --prompts.
+request produces the same number of tokens); prompts cycle through --prompts. The H200 run of the default pair:
+
+    python -m jaxspec.bench serve --server-args '--max-running-requests 32' --clients 1,8,32
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ def add_args(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--prompts", default=PROMPTS, help=".txt (one prompt a line) or .jsonl ('prompt' or "
                    "'prompt_ids'); default: the bundled prompts")
-    p.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds to wait for a started server")
 
 
 def read_prompts(path: str) -> list:
@@ -163,12 +164,17 @@ def row(clients: int, results: list[dict], wall: float, before: dict, after: dic
 
 def run(args) -> dict:
     """the OpenAI server under N concurrent streaming clients: throughput, TTFT, inter-token latency"""
+    import httpx
+
     prompts = read_prompts(args.prompts)
     rows = []
     with server(args) as url:
         for clients in args.clients:
             before = scrape(url)
-            results, wall = asyncio.run(run_clients(url, clients, prompts, args))
+            try:
+                results, wall = asyncio.run(run_clients(url, clients, prompts, args))
+            except httpx.HTTPError as e:
+                raise ConfigError(f"{url}: {e}") from None
             rows.append(row(clients, results, wall, before, scrape(url)))
             args.write_partial({"rows": rows})
         model = served_model(url)

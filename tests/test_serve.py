@@ -18,7 +18,7 @@ import pytest
 
 from conftest import golden_path
 
-ENGINE = ["--assistant", golden_path("e2b", "assistant"), "--draft-bs", "1,8", "--max-running-requests", "8",
+ENGINE = ["--assistant", golden_path("e2b", "assistant"), "--draft-bs", "8", "--max-running-requests", "8",
           "--page-size", "4", "--max-context", "128", "--prefill-chunk", "8"]
 TEMPLATE = "{% for m in messages %}w10 {{ m['content'] }} w11 {% endfor %}{% if add_generation_prompt %}w12{% endif %}"
 PROMPTS = [" ".join(f"w{(37 * i + 11 * j) % 500 + 5}" for j in range(2 + i % 7)) for i in range(32)]

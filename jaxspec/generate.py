@@ -93,16 +93,19 @@ def input_files(args) -> list[str]:
 
 class Records:
     """The --output file: each request's record written (and flushed) once it and every earlier request are done,
-    so the file is always a valid in-order prefix of the full output. Also the SIGINT / SIGTERM handler: an
-    interrupt is held back while a record is being written, so the count of written records is exact."""
+    so the file is always a valid in-order prefix of the full output. Also the SIGINT / SIGTERM handler."""
 
     def __init__(self, path: str | None):
         self.path, self.file, self.requests, self.written = path, None, [], 0
-        self._writing = self._interrupted = False
+        self._writing = self.interrupted = False
 
     def start(self, requests) -> None:
         """Open the file (truncating it: generation starts now)."""
-        self.requests = requests
+        from jaxspec.engine import request_record
+
+        if self.interrupted:
+            raise KeyboardInterrupt
+        self.requests, self._record = requests, request_record
         if self.path:
             try:
                 self.file = open(self.path, "w")
@@ -115,22 +118,26 @@ class Records:
         try:
             while self.written < len(self.requests) and self.requests[self.written].finished:
                 if self.file:
-                    from jaxspec.engine import request_record
-
-                    self.file.write(json.dumps(request_record(self.requests[self.written])) + "\n")
+                    self.file.write(json.dumps(self._record(self.requests[self.written])) + "\n")
                     self.file.flush()
                 self.written += 1
         finally:
             self._writing = False
-        if self._interrupted:
+        if self.interrupted:
             raise KeyboardInterrupt
 
     def interrupt(self, signum, frame) -> None:
-        for s in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not break the wind-down
-            signal.signal(s, signal.SIG_IGN)
-        self._interrupted = True
+        """SIGINT / SIGTERM: a KeyboardInterrupt, held back while a record is written (so the count of written
+        records is exact). Raised inside a gc callback, Python drops it (`dropped`): then it is raised at the next
+        record or when generation starts."""
+        self.interrupted = True
         if not self._writing:
             raise KeyboardInterrupt
+
+    @staticmethod
+    def dropped(unraisable) -> None:  # sys.unraisablehook: no traceback for an interrupt Python could not raise
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            sys.__unraisablehook__(unraisable)
 
     def close(self) -> None:
         if self.file:
@@ -138,7 +145,7 @@ class Records:
 
     def interrupted_line(self) -> str:
         if not self.requests:
-            return "interrupted before generation started" + (f"; {self.path} not touched" if self.path else "")
+            return "interrupted before generation started" + (f"; nothing written to {self.path}" if self.path else "")
         n, m = self.written, len(self.requests)
         if self.path:
             return f"interrupted: {n} of {m} requests written to {self.path}"
@@ -147,17 +154,22 @@ class Records:
 
 def run(args) -> int:
     records = Records(args.output)
-    previous = {s: signal.signal(s, records.interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, records.interrupt) for s in signals}, sys.unraisablehook
+    sys.unraisablehook = records.dropped
     try:
-        code = generate(args, records)
-    except KeyboardInterrupt:  # the handlers stay SIG_IGN: nothing may interrupt the exit
+        return generate(args, records)
+    except KeyboardInterrupt:
+        for s in signals:  # a second Ctrl-C must not break the wind-down
+            signal.signal(s, signal.SIG_IGN)
         print(records.interrupted_line(), file=sys.stderr)
         return 130
     finally:
         records.close()
-    for s, handler in previous.items():
-        signal.signal(s, handler)
-    return code
+        if not records.interrupted:  # after one, nothing may interrupt the exit
+            for s, handler in previous[0].items():
+                signal.signal(s, handler)
+            sys.unraisablehook = previous[1]
 
 
 def generate(args, records: Records) -> int:
@@ -213,9 +225,11 @@ def generate(args, records: Records) -> int:
         if bar:
             bar.update(1)
 
-    engine.generate(requests, on_finished=finished, profile_dir=args.profile_dir)
-    if bar:
-        bar.close()
+    try:
+        engine.generate(requests, on_finished=finished, profile_dir=args.profile_dir)
+    finally:  # an interrupt's line comes after the bar's
+        if bar:
+            bar.close()
     if not args.quiet:
         for r, (_, text) in zip(requests, ids):
             rec = request_record(r)

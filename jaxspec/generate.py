@@ -73,7 +73,8 @@ def check_output(path: str, inputs: list[str]) -> None:
     exists = os.path.exists(path)
     for src in inputs:
         if exists and os.path.exists(src) and os.path.samefile(path, src):
-            raise ConfigError(f"--output {path} is an input of this run ({src}): it would be overwritten")
+            named = "" if src == path else f" ({src})"
+            raise ConfigError(f"--output {path} is an input of this run{named}: it would be overwritten")
     try:  # the real test (permissions, read-only file systems, root), without truncating
         os.close(os.open(path, os.O_WRONLY if exists else os.O_WRONLY | os.O_CREAT | os.O_EXCL))
     except OSError as e:

@@ -128,9 +128,12 @@ def build_cases(tmp):
          f"assistant directory not found: {tmp / 'nope'}")
     for name, edit, match in (
             ("config_is_list", lambda d: [d], "config.json: expected a JSON object, got list"),
-            ("config_string_number", lambda d: dict(d, hidden_size="64"), "config.json: hidden_size must be an integer, got '64'"),
-            ("config_bool_number", lambda d: dict(d, num_hidden_layers=True), "config.json: num_hidden_layers must be an integer"),
-            ("config_not_utf8", lambda d: json.dumps(dict(d, model_type="gemma4_text\u00e9"), ensure_ascii=False).encode("latin-1"),
+            ("config_string_number", lambda d: dict(d, hidden_size="64"),
+             "config.json: hidden_size must be an integer, got '64'"),
+            ("config_bool_number", lambda d: dict(d, num_hidden_layers=True),
+             "config.json: num_hidden_layers must be an integer"),
+            ("config_not_utf8", lambda d: json.dumps(dict(d, model_type="gemma4_text\u00e9"),
+                                                     ensure_ascii=False).encode("latin-1"),
              "config.json:1: not UTF-8")):
         folder = copy(target, tmp / name)
         edit_config(folder, edit)
@@ -152,7 +155,7 @@ def build_cases(tmp):
         "tensor pre_projection.weight in {folder}/model.safetensors holds NaN or infinite values", src=assistant)
     broken("embed_int32", lambda d: rewrite(d, lambda t: dict(t, **{
         "model.embed_tokens.weight": t["model.embed_tokens.weight"].astype(np.int32)})),
-        "tensor model.embed_tokens.weight has dtype I32, expected a float type")
+        "tensor model.embed_tokens.weight in {folder}/model.safetensors has dtype I32, expected a float type")
 
     def truncate(d):
         f = os.path.join(d, "model.safetensors")
@@ -227,6 +230,24 @@ def test_bad_input_is_one_line_exit_2_and_loses_nothing(outcomes, name):
 
 def test_every_case_is_checked(outcomes):
     assert sorted(outcomes) == sorted(CASE_NAMES)
+
+
+def test_engine_validate_names_the_request():
+    """The engine API's own check (the server's requests do not pass the CLI's flag checks)."""
+    from jaxspec.config import ConfigError
+    from jaxspec.engine import Engine, Request, SamplingParams
+    from jaxspec.model.weights import load_target
+
+    cfg, params = load_target(golden_path("e2b", "target"), "fp32")
+    engine = Engine(cfg, params, draft_mode="off", buckets=(1,), max_running=1, page_size=4, max_context=64)
+    engine.validate(Request(prompt_ids=[5, 1], index=3))
+    for ids, params, match in (([5, True], SamplingParams(), "token id True is not an integer"),
+                               ([5, 1.0], SamplingParams(), "token id 1.0 is not an integer"),
+                               ([5], SamplingParams(temperature=float("nan")), "sampling parameters out of range"),
+                               ([5], SamplingParams(top_p=float("nan")), "sampling parameters out of range"),
+                               ([5], SamplingParams(seed=2**31), "sampling parameters out of range")):
+        with pytest.raises(ConfigError, match="^request 3: " + match):
+            engine.validate(Request(prompt_ids=ids, params=params, index=3))
 
 
 # ---- interrupts ------------------------------------------------------------------------------------------------------

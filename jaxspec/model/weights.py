@@ -144,7 +144,7 @@ class Checkpoint:
                 raise ConfigError(f"unsupported dtype {dtype} of tensor {name}")
             if (dtype in _INT_DTYPES) != (name in INT_TENSORS):
                 want = "an integer" if name in INT_TENSORS else "a float"
-                raise ConfigError(f"tensor {name} has dtype {dtype}, expected {want} type")
+                raise ConfigError(f"tensor {name} in {fn} has dtype {dtype}, expected {want} type")
             t = f.get_tensor(name)
         except SafetensorError as e:
             raise ConfigError(f"tensor {name} unreadable in {fn} ({e})") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -20,6 +21,19 @@ ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 
 class ConfigError(ValueError):
     """A config, checkpoint or argument that jaxspec cannot use; the CLI prints it as one line and exits 2."""
+
+
+def read_utf8(path: str, what: str = "file") -> str:
+    """The text of the file at `path`; a missing file or one that is not UTF-8 is a ConfigError (saying where)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{what} not found: {path}")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x})") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,7 +156,16 @@ class TargetConfig:
     def _group_index(self) -> dict[int, tuple[str, int]]:
         return {i: (g.name, j) for g in self.groups for j, i in enumerate(g.layers)}
 
+    def check_sizes(self) -> None:
+        """Every count and width at least 1 (a 0 would divide by zero or build empty arrays further on)."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "global_head_dim", "num_global_kv_heads", "sliding_window",
+                     "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
     def validate(self) -> None:
+        self.check_sizes()
         if self.num_kv_shared_layers >= self.num_layers:
             raise ConfigError(f"num_kv_shared_layers={self.num_kv_shared_layers} leaves no layer that stores K/V")
         for t in set(self.layer_types):

@@ -100,6 +100,33 @@ def load_pair(args) -> Pair:
     return Pair(label, cfg, params, acfg, aparams, load_tokenizer(model), prompts)
 
 
+def check_args(args) -> None:
+    """The model and engine flags, checked before anything loads (jax included): the engine flags' bounds and the
+    config.json of each model folder. A bad one is a ConfigError naming the flag or the file."""
+    from jaxspec.model import hf
+
+    check_engine_args(args)
+    if args.model not in (DEMO, DEFAULT):
+        hf.load_target_config(args.model)
+    if args.assistant:
+        hf.load_assistant_config(args.assistant)
+
+
+def check_engine_args(args) -> None:
+    from jaxspec.config import ConfigError
+
+    speculating = args.draft_mode != "off" and bool(args.assistant or args.model in (DEMO, DEFAULT))
+    for name, value, lo in (("-k/--num-speculative-tokens", args.num_speculative_tokens, 1 if speculating else 0),
+                            ("--page-size", args.page_size, 1), ("--prefill-chunk", args.prefill_chunk, 1),
+                            ("--rounds-per-call", args.rounds_per_call, 1),
+                            ("--max-running-requests", args.max_running_requests, 1),
+                            ("--kv-pages", args.kv_pages, 2),  # the dummy page and one page of a request
+                            ("--max-context", args.max_context, 1)):
+        if value is not None and value < lo:
+            raise ConfigError(f"{name} must be >= {lo}, got {value}")
+    buckets(args.draft_bs)
+
+
 def buckets(text: str) -> tuple[int, ...]:
     from jaxspec.config import ConfigError
 
@@ -114,18 +141,13 @@ def buckets(text: str) -> tuple[int, ...]:
 
 def build_engine(args, pair: Pair):
     """The engine the engine flags describe (EngineConfig validates every option)."""
-    from jaxspec.config import ConfigError
     from jaxspec.engine import Engine
 
     draft_mode = args.draft_mode
     if pair.acfg is None and draft_mode != "off":
         print("note: no --assistant given, decoding without speculation (--draft-mode off)", file=sys.stderr)
         draft_mode = "off"
-    for name, value, lo in (("--page-size", args.page_size, 1), ("--prefill-chunk", args.prefill_chunk, 1),
-                            ("--rounds-per-call", args.rounds_per_call, 1),
-                            ("--max-running-requests", args.max_running_requests, 1)):
-        if value < lo:
-            raise ConfigError(f"{name} must be >= {lo}, got {value}")
+    check_engine_args(args)
     kernels = {"auto": None, "on": True, "off": False}[args.kernels]
     return Engine(pair.cfg, pair.params, acfg=pair.acfg, aparams=pair.aparams, tokenizer=pair.tokenizer,
                   k=args.num_speculative_tokens, draft_mode=draft_mode, buckets=buckets(args.draft_bs),

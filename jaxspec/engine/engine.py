@@ -9,6 +9,8 @@ commits a call's tokens (EOS, stop strings, lengths, records) while the device r
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import time
 from typing import Callable
 
@@ -25,6 +27,8 @@ from jaxspec.engine.scheduler import Scheduler
 from jaxspec.engine.stopping import Stopping
 from jaxspec.paged_kv.cache import PagedKVCache
 from jaxspec.paged_kv.pool import swa_pages_bound_for
+
+INT32 = np.iinfo(np.int32)  # the device dtype of seeds and top_k
 
 
 @dataclasses.dataclass
@@ -78,6 +82,9 @@ class Engine:
         num_pages = c.num_pages or c.max_running * pages_per_request + 1
         swa_bound = swa_pages_bound_for(page_size=c.page_size, swa_keep=cfg.sliding_window + 1,
                                         max_step_tokens=c.step_tokens)
+        if c.max_context and c.max_context > cfg.max_position_embeddings:
+            raise ConfigError(f"--max-context {c.max_context} exceeds the model's max_position_embeddings "
+                              f"{cfg.max_position_embeddings}")
         if num_pages - 1 < pages_per_request:
             raise ConfigError(f"--kv-pages {num_pages} cannot hold one request of {max_context} positions "
                               f"({pages_per_request} pages of {c.page_size} + the dummy page)")
@@ -106,12 +113,22 @@ class Engine:
     # ---- serving ---------------------------------------------------------------------------------------------------
 
     def validate(self, req: Request) -> None:
+        """A ConfigError naming the request (its index, input order) that the engine cannot run as asked."""
         if not req.prompt_ids:
             raise ConfigError(f"request {req.index}: empty prompt")
+        # bool is an int in Python: a JSON true must not become token 1
+        bad = [t for t in req.prompt_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if bad:
+            raise ConfigError(f"request {req.index}: token id {bad[0]!r} is not an integer")
         bad = [t for t in req.prompt_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ConfigError(f"request {req.index}: token id {bad[0]} outside the vocabulary "
                               f"(0..{self.cfg.vocab_size - 1})")
+        p = req.params
+        if not (math.isfinite(p.temperature) and p.temperature >= 0 and 0 < p.top_p <= 1 and p.top_k >= 0
+                and INT32.min <= p.seed <= INT32.max and p.top_k <= INT32.max):
+            raise ConfigError(f"request {req.index}: sampling parameters out of range (temperature finite >= 0, "
+                              f"top_p in (0, 1], top_k >= 0, seed an int32): {p}")
         if len(req.prompt_ids) + self.k + 2 > self.max_context:
             raise ConfigError(f"request {req.index}: prompt of {len(req.prompt_ids)} tokens does not fit the context "
                               f"of {self.max_context} (with {self.k + 1} verify positions and one new token)")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 from typing import Any
 
@@ -23,42 +25,83 @@ from jaxspec.config import (
     ConfigError,
     Rope,
     TargetConfig,
+    read_utf8,
 )
 
 # ---- reading config.json ------------------------------------------------------------------------------------------
+
+_REQUIRED = object()
+
+
+def _field(d: dict, key: str, types: tuple, what: str, default):
+    """d[key] when it has one of `types` (JSON's true is not a number, nor 1 a boolean); null or absent: `default`
+    (absent and required: KeyError, reported as the missing field)."""
+    v = d.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise KeyError(key)
+        return default
+    if isinstance(v, bool) != (bool in types) or not isinstance(v, types):
+        raise ConfigError(f"{key} must be {what}, got {v!r}")
+    return v
+
+
+def _int(d: dict, key: str, default=_REQUIRED) -> int:
+    v = _field(d, key, (numbers.Integral,), "an integer", default)
+    return v if v is None else int(v)
+
+
+def _float(d: dict, key: str, default=_REQUIRED) -> float:
+    v = _field(d, key, (numbers.Real,), "a number", default)
+    if v is not None and not math.isfinite(v):
+        raise ConfigError(f"{key} must be a finite number, got {v!r}")
+    return v if v is None else float(v)
+
+
+def _bool(d: dict, key: str, default: bool) -> bool:
+    return _field(d, key, (bool,), "true or false", default)
+
+
+def _dict(d: dict, key: str) -> dict:
+    return _field(d, key, (dict,), "an object", {})
 
 
 def _rope_from(rp: dict | None, default: Rope) -> Rope:
     if not rp:
         return default
-    theta = float(rp.get("rope_theta", default.theta))
+    if not isinstance(rp, dict):
+        raise ConfigError(f"rope_parameters entries must be objects, got {rp!r}")
+    theta = _float(rp, "rope_theta", default.theta)
     kind = rp.get("rope_type", "default")
     if kind == "proportional":
-        return Rope(theta=theta, partial_factor=float(rp.get("partial_rotary_factor", 1.0)), scale=float(rp.get("factor", 1.0)))
+        return Rope(theta=theta, partial_factor=_float(rp, "partial_rotary_factor", 1.0),
+                    scale=_float(rp, "factor", 1.0))
     if kind == "linear":
-        return Rope(theta=theta, scale=float(rp.get("factor", 1.0)))
+        return Rope(theta=theta, scale=_float(rp, "factor", 1.0))
     if kind == "default":
         return Rope(theta=theta)
     raise ConfigError(f"unsupported rope_type {kind!r}")
 
 
 def _eos(d: dict) -> tuple[int, ...]:
-    e = d.get("eos_token_id", 1)
-    if e is None:
-        return ()
-    return tuple(e) if isinstance(e, (list, tuple)) else (int(e),)
+    if "eos_token_id" not in d:
+        return (1,)
+    e = d["eos_token_id"]
+    ids = e if isinstance(e, (list, tuple)) else [] if e is None else [e]
+    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
+        raise ConfigError(f"eos_token_id must be an integer or a list of integers, got {e!r}")
+    return tuple(int(t) for t in ids)
 
 
 def _layer_override(d: dict, i: int) -> dict:
-    plc = d.get("per_layer_config") or {}
-    return {int(k): v for k, v in plc.items()}.get(i, {})
+    return _dict(_dict(d, "per_layer_config"), str(i))
 
 
 def target_config_from_dict(d: dict[str, Any]) -> TargetConfig:
     mt = d.get("model_type")
     if mt in ("gemma4", "gemma4_unified"):
-        if "text_config" not in d:
-            raise ConfigError(f"config of model_type {mt!r} has no text_config")
+        if not isinstance(d.get("text_config"), dict):
+            raise ConfigError(f"config of model_type {mt!r} has no text_config object")
         td = dict(d["text_config"])
         td.setdefault("model_type", mt + "_text")
         for k in ("eos_token_id", "pad_token_id", "bos_token_id"):
@@ -70,24 +113,28 @@ def target_config_from_dict(d: dict[str, Any]) -> TargetConfig:
     try:
         return _text_config(d, mt)
     except KeyError as e:
-        raise ConfigError(f"config.json ({mt}) lacks the field {e.args[0]!r}") from None
+        raise ConfigError(f"{mt} config lacks the field {e.args[0]!r}") from None
 
 
 def _text_config(d: dict, mt: str, validate: bool = True) -> TargetConfig:
-    L = int(d["num_hidden_layers"])
+    L = _int(d, "num_hidden_layers")
     gemma3 = mt == "gemma3_text"
     layer_types = d.get("layer_types")
+    if layer_types is not None and not (isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)):
+        raise ConfigError(f"layer_types must be a list of strings, got {layer_types!r}")
     if not layer_types:
-        pattern = int(d.get("sliding_window_pattern", 6 if gemma3 else 6))
+        pattern = _int(d, "sliding_window_pattern", 6)
+        if pattern < 1:
+            raise ConfigError(f"sliding_window_pattern must be >= 1, got {pattern}")
         layer_types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(L)]
         if not gemma3:
             layer_types[-1] = FULL
     layer_types = tuple(layer_types)
     if len(layer_types) != L:
         raise ConfigError(f"layer_types has {len(layer_types)} entries for {L} layers")
-    head_dim = int(d.get("head_dim", 256))
-    kvh = int(d["num_key_value_heads"])
-    k_eq_v = bool(d.get("attention_k_eq_v", False))
+    head_dim = _int(d, "head_dim", 256)
+    kvh = _int(d, "num_key_value_heads")
+    k_eq_v = _bool(d, "attention_k_eq_v", False)
     # Full-layer geometry: transformers-saved configs carry a sparse per_layer_config; hub configs carry
     # global_head_dim / num_global_key_value_heads (the kv override only applies with attention_k_eq_v).
     full = [i for i in range(L) if layer_types[i] == FULL]
@@ -95,22 +142,25 @@ def _text_config(d: dict, mt: str, validate: bool = True) -> TargetConfig:
         g_hd, g_kvh = head_dim, kvh
     elif d.get("per_layer_config"):
         ovs = [_layer_override(d, i) for i in full]
-        g_hd = {int(o.get("head_dim", head_dim)) for o in ovs}
-        g_kvh = {int(o.get("num_key_value_heads", kvh)) for o in ovs}
+        g_hd = {_int(o, "head_dim", head_dim) for o in ovs}
+        g_kvh = {_int(o, "num_key_value_heads", kvh) for o in ovs}
         if len(g_hd) > 1 or len(g_kvh) > 1:
             raise ConfigError("per_layer_config gives full layers different geometries; jaxspec needs one per type")
         g_hd, g_kvh = (g_hd.pop(), g_kvh.pop()) if full else (head_dim, kvh)
     else:
-        g_hd = int(d.get("global_head_dim") or 512)
-        g_kvh = int(d["num_global_key_value_heads"]) if k_eq_v and d.get("num_global_key_value_heads") else kvh
-    rp = d.get("rope_parameters") or {}
+        g_hd = _int(d, "global_head_dim", 512)
+        g_kvh = _int(d, "num_global_key_value_heads", 0) if k_eq_v else 0
+        g_kvh = g_kvh or kvh
+    rp = _dict(d, "rope_parameters")
     if gemma3:
         legacy_full = {"rope_type": "default", "rope_theta": d.get("rope_theta", 1_000_000.0)}
-        if d.get("rope_scaling"):
-            legacy_full.update(d["rope_scaling"])
+        legacy_full.update(_dict(d, "rope_scaling"))
         rope_full = _rope_from(rp.get(FULL) or legacy_full, Rope(theta=1_000_000.0))
-        rope_sliding = _rope_from(rp.get(SLIDING), Rope(theta=float(d.get("rope_local_base_freq", 10_000.0))))
-        query_scale = float(d.get("query_pre_attn_scalar", 256)) ** -0.5
+        rope_sliding = _rope_from(rp.get(SLIDING), Rope(theta=_float(d, "rope_local_base_freq", 10_000.0)))
+        query_pre_attn_scalar = _float(d, "query_pre_attn_scalar", 256.0)
+        if query_pre_attn_scalar <= 0:
+            raise ConfigError(f"query_pre_attn_scalar must be > 0, got {query_pre_attn_scalar}")
+        query_scale = query_pre_attn_scalar ** -0.5
         if d.get("attn_logit_softcapping"):
             raise ConfigError("attn_logit_softcapping is not supported")
     else:
@@ -119,40 +169,40 @@ def _text_config(d: dict, mt: str, validate: bool = True) -> TargetConfig:
         query_scale = 1.0
     if d.get("use_bidirectional_attention") == "all":
         raise ConfigError("use_bidirectional_attention='all' is not a generative configuration")
-    moe = bool(d.get("enable_moe_block", False))
+    moe = _bool(d, "enable_moe_block", False)
     cfg = TargetConfig(
         model_type=mt,
-        vocab_size=int(d["vocab_size"]),
-        hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]),
+        vocab_size=_int(d, "vocab_size"),
+        hidden_size=_int(d, "hidden_size"),
+        intermediate_size=_int(d, "intermediate_size"),
         num_layers=L,
-        num_heads=int(d["num_attention_heads"]),
+        num_heads=_int(d, "num_attention_heads"),
         num_kv_heads=kvh,
         head_dim=head_dim,
         global_head_dim=g_hd,
         num_global_kv_heads=g_kvh,
         layer_types=layer_types,
-        sliding_window=int(d.get("sliding_window") or 512),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        sliding_window=_int(d, "sliding_window", 512),
+        rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
         rope_sliding=rope_sliding,
         rope_full=rope_full,
-        final_logit_softcapping=d.get("final_logit_softcapping"),
-        hidden_size_per_layer_input=0 if gemma3 else int(d.get("hidden_size_per_layer_input") or 0),
-        vocab_size_per_layer_input=0 if gemma3 else int(d.get("vocab_size_per_layer_input") or 0),
-        num_kv_shared_layers=int(d.get("num_kv_shared_layers") or 0),
-        use_double_wide_mlp=bool(d.get("use_double_wide_mlp", False)),
+        final_logit_softcapping=_float(d, "final_logit_softcapping", None),
+        hidden_size_per_layer_input=0 if gemma3 else _int(d, "hidden_size_per_layer_input", 0),
+        vocab_size_per_layer_input=0 if gemma3 else _int(d, "vocab_size_per_layer_input", 0),
+        num_kv_shared_layers=_int(d, "num_kv_shared_layers", 0),
+        use_double_wide_mlp=_bool(d, "use_double_wide_mlp", False),
         enable_moe_block=moe,
-        num_experts=int(d.get("num_experts") or 0) if moe else 0,
-        top_k_experts=int(d.get("top_k_experts") or 0) if moe else 0,
-        moe_intermediate_size=int(d.get("moe_intermediate_size") or 0) if moe else 0,
+        num_experts=_int(d, "num_experts", 0) if moe else 0,
+        top_k_experts=_int(d, "top_k_experts", 0) if moe else 0,
+        moe_intermediate_size=_int(d, "moe_intermediate_size", 0) if moe else 0,
         attention_k_eq_v=k_eq_v,
-        max_position_embeddings=int(d.get("max_position_embeddings", 131072)),
+        max_position_embeddings=_int(d, "max_position_embeddings", 131072),
         norm_plus_one=gemma3,
         query_scale=query_scale,
         use_v_norm=not gemma3,
         eos_token_ids=_eos(d),
-        pad_token_id=int(d.get("pad_token_id") or 0),
-        bos_token_id=int(d.get("bos_token_id") or 2),
+        pad_token_id=_int(d, "pad_token_id", 0),
+        bos_token_id=_int(d, "bos_token_id", 2),
     )
     if validate:
         cfg.validate()
@@ -163,54 +213,63 @@ def assistant_config_from_dict(d: dict[str, Any]) -> AssistantConfig:
     mt = d.get("model_type")
     if mt not in ASSISTANT_TYPES:
         raise ConfigError(f"unsupported assistant model_type {mt!r} (expected one of {', '.join(ASSISTANT_TYPES)})")
-    if "text_config" not in d:
-        raise ConfigError("assistant config has no text_config")
+    if not isinstance(d.get("text_config"), dict):
+        raise ConfigError("assistant config has no text_config object")
     td = dict(d["text_config"])
     td["model_type"] = "gemma4_text"
-    n = int(td.get("num_hidden_layers", 4))
-    td["num_kv_shared_layers"] = n  # every drafter layer reads the target's K/V
     text = _assistant_text(td)
     if text.hidden_size_per_layer_input or text.enable_moe_block or text.use_double_wide_mlp:
         raise ConfigError("assistant text_config must have no PLE, no MoE and no double-wide MLP")
     return AssistantConfig(
         model_type=mt,
         text=text,
-        backbone_hidden_size=int(d.get("backbone_hidden_size", 1536)),
-        use_ordered_embeddings=bool(d.get("use_ordered_embeddings", False)),
-        num_centroids=int(d.get("num_centroids", 2048)),
-        centroid_top_k=int(d.get("centroid_intermediate_top_k", 32)),
+        backbone_hidden_size=_int(d, "backbone_hidden_size", 1536),
+        use_ordered_embeddings=_bool(d, "use_ordered_embeddings", False),
+        num_centroids=_int(d, "num_centroids", 2048),
+        centroid_top_k=_int(d, "centroid_intermediate_top_k", 32),
     )
 
 
 def _assistant_text(td: dict) -> TargetConfig:
     # All layers are shared (Q-only), so TargetConfig.validate, which wants a storing layer, does not apply.
-    n = int(td["num_hidden_layers"])
     try:
         base = _text_config(dict(td, num_kv_shared_layers=0), "gemma4_text", validate=False)
     except KeyError as e:
         raise ConfigError(f"assistant text_config lacks the field {e.args[0]!r}") from None
-    return dataclasses.replace(base, num_kv_shared_layers=n, final_logit_softcapping=None)
+    base.check_sizes()
+    return dataclasses.replace(base, num_kv_shared_layers=base.num_layers, final_logit_softcapping=None)
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str, what: str = "file"):
+    """The JSON value of the file at `path`; missing, not UTF-8 or not JSON is a ConfigError naming it."""
+    try:
+        return json.loads(read_utf8(path, what))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"malformed {path}:{e.lineno}: {e.msg}") from None
+
+
+def _load_config(path: str, what: str, from_dict):
+    """from_dict(the config.json of the folder `path`), every problem a ConfigError naming the file."""
     if not os.path.isdir(path):
-        raise ConfigError(f"model directory not found: {path}")
+        raise ConfigError(f"{what} directory not found: {path}")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"no config.json in {path}")
+    d = read_json(cfg_path)
+    if not isinstance(d, dict):
+        raise ConfigError(f"{cfg_path}: expected a JSON object, got {type(d).__name__}")
     try:
-        with open(cfg_path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"malformed {cfg_path}: {e}") from None
+        return from_dict(d)
+    except ConfigError as e:
+        raise ConfigError(f"{cfg_path}: {e}") from None
 
 
 def load_target_config(path: str) -> TargetConfig:
-    return target_config_from_dict(_read_json(path))
+    return _load_config(path, "model", target_config_from_dict)
 
 
 def load_assistant_config(path: str) -> AssistantConfig:
-    return assistant_config_from_dict(_read_json(path))
+    return _load_config(path, "assistant", assistant_config_from_dict)
 
 
 # ---- writing a drafter's config.json --------------------------------------------------------------------------------

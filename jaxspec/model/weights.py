@@ -9,20 +9,21 @@ compute dtype (Gemma 3's `1 + w` is folded in here).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from jaxspec.config import AssistantConfig, ConfigError, TargetConfig
 from jaxspec.model import hf
 
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
-_CKPT_DTYPES = ("F32", "BF16", "F16", "I64", "I32")
+_FLOAT_DTYPES = ("F32", "BF16", "F16")
+_INT_DTYPES = ("I64", "I32")
+INT_TENSORS = (hf.ASSISTANT_TENSORS["token_ordering"],)  # every other tensor holds weights: float, finite
 F32_LEAVES = ("norms", "q_norm", "k_norm", "layer_scalar", "ple_norm", "moe_norms", "router_scale",
               "per_expert_scale", "final_norm", "ple_proj_norm")
 
@@ -92,18 +93,32 @@ def _leaf_dtype(name: str, dtype):
 # ---- reading safetensors -------------------------------------------------------------------------------------------
 
 
+def _open_safetensors(fn: str):
+    try:
+        return safe_open(fn, "numpy")
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"{fn} is not a readable safetensors file ({e})") from None
+
+
 class Checkpoint:
-    """Name -> tensor access over a single-file or sharded safetensors checkpoint (numpy, lazily per tensor)."""
+    """Name -> tensor access over a single-file or sharded safetensors checkpoint (numpy, lazily per tensor). A
+    damaged file, index or tensor is a ConfigError naming it; weights are checked to be float and finite, since a
+    NaN or an integer embedding would otherwise decode garbage without a word."""
 
     def __init__(self, path: str):
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            listing = hf.read_json(index)
+            weight_map = listing.get("weight_map") if isinstance(listing, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ConfigError(f"{index} has no weight_map object of tensor name -> shard file")
             self.where = {k: os.path.join(path, v) for k, v in weight_map.items()}
+            for fn in sorted(set(self.where.values())):
+                if not os.path.isfile(fn):
+                    raise ConfigError(f"checkpoint shard missing: {fn} (listed in {index})")
         elif os.path.isfile(single):
-            with safe_open(single, "numpy") as f:
+            with _open_safetensors(single) as f:
                 self.where = {k: single for k in f.keys()}
         else:
             raise ConfigError(f"no model.safetensors or model.safetensors.index.json in {path}")
@@ -112,9 +127,7 @@ class Checkpoint:
 
     def _file(self, fn: str):
         if fn not in self._files:
-            if not os.path.isfile(fn):
-                raise ConfigError(f"checkpoint shard missing: {fn}")
-            self._files[fn] = safe_open(fn, "numpy")
+            self._files[fn] = _open_safetensors(fn)
         return self._files[fn]
 
     def has(self, name: str) -> bool:
@@ -123,13 +136,22 @@ class Checkpoint:
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         if name not in self.where:
             raise ConfigError(f"missing tensor {name} in {self.path}")
-        f = self._file(self.where[name])
-        sl = f.get_slice(name)
-        if sl.get_dtype() not in _CKPT_DTYPES:
-            raise ConfigError(f"unsupported dtype {sl.get_dtype()} of tensor {name}")
-        t = f.get_tensor(name)
+        fn = self.where[name]
+        f = self._file(fn)
+        try:
+            dtype = f.get_slice(name).get_dtype()
+            if dtype not in _FLOAT_DTYPES + _INT_DTYPES:
+                raise ConfigError(f"unsupported dtype {dtype} of tensor {name}")
+            if (dtype in _INT_DTYPES) != (name in INT_TENSORS):
+                want = "an integer" if name in INT_TENSORS else "a float"
+                raise ConfigError(f"tensor {name} in {fn} has dtype {dtype}, expected {want} type")
+            t = f.get_tensor(name)
+        except SafetensorError as e:
+            raise ConfigError(f"tensor {name} unreadable in {fn} ({e})") from None
         if shape is not None and tuple(t.shape) != tuple(shape) and not (shape == () and t.shape == (1,)):
             raise ConfigError(f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        if dtype in _FLOAT_DTYPES and not np.isfinite(t).all():
+            raise ConfigError(f"tensor {name} in {fn} holds NaN or infinite values")
         return t
 
 

@@ -1,7 +1,7 @@
 """The user cache: what jaxspec builds once and keeps (the converted default model, the unpacked bundled assistant,
 XLA's compiled programs), and how a cache entry is built safely when several processes start together.
 
-stdlib and filelock only at import time (jax loads only when the compile cache is turned on).
+stdlib, filelock and jaxspec.config only at import time (jax loads only when the compile cache is turned on).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import tempfile
 from typing import Callable
 
 from filelock import FileLock, Timeout
+
+from jaxspec.config import ConfigError
 
 MARKER = ".jaxspec-complete.json"  # written last into a built folder: its key and the size of every file
 _LEGACY_TEMP = ".tmp"  # jaxspec 0.1 unpacked the assistant into `<name>.tmp<pid>`
@@ -49,7 +51,10 @@ def _remove_leftovers(root: str, name: str, lock_name: str) -> None:
     for entry in os.listdir(root):
         if entry != lock_name and (entry.startswith(f".{name}.") or entry.startswith(name + _LEGACY_TEMP)):
             path = os.path.join(root, entry)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
 
 
 def _share(folder: str) -> None:
@@ -74,6 +79,14 @@ def cached_folder(name: str, key: dict, build: Callable[[str], None], what: str)
     out = os.path.join(root, name)
     if is_complete(out, key):
         return out
+    try:
+        return _build_locked(root, name, key, build, what)
+    except OSError as e:  # an unwritable cache folder, a full disk
+        raise ConfigError(f"cannot build {out}: {e} (JAXSPEC_CACHE chooses the cache folder)") from None
+
+
+def _build_locked(root: str, name: str, key: dict, build: Callable[[str], None], what: str) -> str:
+    out = os.path.join(root, name)
     os.makedirs(root, exist_ok=True)
     lock_name = f".{name}.lock"
     lock = FileLock(os.path.join(root, lock_name))
@@ -117,7 +130,7 @@ def compile_cache_dir() -> str:
 def enable_compile_cache() -> str:
     """Turn on JAX's persistent compilation cache in `<cache>/xla` for this process (call it before the first
     compile); returns the folder. Every program is kept, however fast it compiled (jax's defaults skip compiles under
-    1 s): on a CPU many of the engine's programs compile in about a second, and loading one takes milliseconds.
+    1 s): on a CPU many small programs compile in about a second, and reading one back costs far less.
     The key covers the program, the compiler options (e.g. the draft buckets' `xla_allow_excess_precision`), XLA
     flags, the jax version and the device."""
     import jax

@@ -22,6 +22,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from jaxspec import cache  # noqa: E402
+from jaxspec.config import ConfigError  # noqa: E402
 from jaxspec.model import gguf as gguf_import  # noqa: E402
 from jaxspec.model import packed  # noqa: E402
 
@@ -204,6 +205,13 @@ def test_killed_conversion_leaves_nothing_behind(env, source, tmp_path):
     assert entries(root) == [ASSISTANT, MODEL]
 
 
+def test_an_unusable_cache_folder_is_one_clear_error(env, tmp_path, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path / "a_file" / "cache"))
+    with pytest.raises(ConfigError, match=r"cannot build .*a_file/cache/gemma-3-270m-q4_k_m: .*JAXSPEC_CACHE"):
+        gguf_import.default_model_dir()
+
+
 # ---- the persistent compilation cache ----------------------------------------------------------------------------
 
 COMPILER = """
@@ -274,7 +282,7 @@ def generate(cache_dir, *flags) -> tuple[str, list]:
 
 def test_generate_reuses_its_compiled_programs(tmp_path):
     err, first = generate(tmp_path)
-    assert "compiling 2 programs (prefill 1 buckets, decode 1 buckets, greedy)..." in err
+    assert "compiling 2 programs (prefill 1 bucket, decode 1 bucket, greedy)..." in err
     assert "compiled 2 programs in" in err and "compile cache" not in err
     entries_after_first = sorted(os.listdir(tmp_path / "xla"))
     err, second = generate(tmp_path)
@@ -294,3 +302,4 @@ def test_transformers_advisory_note_is_silenced_but_its_warnings_are_not():
     assert p.returncode == 0, p.stderr
     assert "PyTorch was not found" not in p.stderr  # printed at import where torch is missing (CI, the CPU install)
     assert "a real warning" in p.stderr
+

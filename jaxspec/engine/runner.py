@@ -93,7 +93,8 @@ class Runner:
             drafts = (jax.ShapeDtypeStruct((b, c.k), i32),) if c.draft_mode == "eager" else ()
             programs[("decode", b, sample)] = (self.programs.decode_rounds(c.rounds_per_call, sample),
                                                (self.weights, self.cache.kv, self.state, vec(), pages, *drafts))
-        bar = _CompileProgress(len(programs), f"prefill {len(c.buckets)} buckets, decode {len(c.buckets)} buckets, "
+        buckets = f"{len(c.buckets)} bucket" + "s" * (len(c.buckets) > 1)
+        bar = _CompileProgress(len(programs), f"prefill {buckets}, decode {buckets}, "
                                               f"{'sampled' if sample else 'greedy'}") if progress else None
         precision = matmul_precision(self.weights.target["embed"].dtype)
         for key, (fn, args) in programs.items():

@@ -2,6 +2,9 @@
 
 The engine's prefill and round programs and the bucketed drafter are all compiled here, per batch bucket, before
 serving starts; serving then calls the executables under `jax.no_tracing`, so an accidental recompile is an error.
+With JAX's persistent compilation cache on (`jaxspec.cache.enable_compile_cache`, the CLI's default), `compile()`
+loads an executable that any earlier process compiled for the same program and compiler options (on the CPU too,
+Pallas interpret-mode kernels included: tests/test_cache.py); the program is still traced and lowered, for its key.
 """
 
 from __future__ import annotations

@@ -213,7 +213,7 @@ def generate(args, records: Records) -> int:
             raise ConfigError(f"{p.where}: {e}") from None
     print(f"model: {label}; draft: {engine.config.draft_mode}" + (f" k={engine.k}" if engine.k else "") +
           f"; {jax.default_backend()} {jax.numpy.dtype(pair.params['embed'].dtype).name}", file=sys.stderr)
-    engine.warmup(sample=args.temperature > 0)
+    engine.warmup(sample=args.temperature > 0, progress=not args.quiet)
     bar = None
     if not args.quiet:
         from tqdm import tqdm

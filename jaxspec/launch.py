@@ -40,6 +40,8 @@ def add_engine_args(p) -> None:
                         "the device computes); --draft-mode eager runs without it")
     p.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
                    help="Pallas kernels (auto: on a GPU; on a CPU they run in interpret mode)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="do not keep or reuse compiled programs in the jaxspec cache (default: <cache>/xla)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +79,10 @@ def load_pair(args) -> Pair:
     from jaxspec.model.weights import compute_dtype, load_assistant, load_target
     from jaxspec.prompts import load_tokenizer
 
+    if not args.no_compile_cache:  # before the first compile
+        from jaxspec.cache import enable_compile_cache
+
+        enable_compile_cache()
     dtype = compute_dtype(args.dtype or ("fp32" if jax.default_backend() == "cpu" else "bf16"))
     if args.model == DEMO:
         cfg, params, acfg, aparams = demo_pair(dtype)

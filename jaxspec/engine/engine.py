@@ -97,11 +97,12 @@ class Engine:
 
     # ---- compiling -------------------------------------------------------------------------------------------------
 
-    def warmup(self, sample: bool = False) -> None:
-        """Compile every program for every bucket (greedy, and the sampling variants when `sample`)."""
-        self.runner.compile(False)
+    def warmup(self, sample: bool = False, progress: bool = False) -> None:
+        """Compile every program for every bucket (greedy, and the sampling variants when `sample`); progress: a line
+        and a bar on stderr."""
+        self.runner.compile(False, progress)
         if sample:
-            self.runner.compile(True)
+            self.runner.compile(True, progress)
 
     def rebuild(self, **sizes) -> None:
         """Re-create the cache with new sizes (no request may be running) and compile the programs again."""

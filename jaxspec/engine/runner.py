@@ -7,11 +7,15 @@ changed (a request's allocation grows by a page every page_size positions); the 
 
 from __future__ import annotations
 
+import sys
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.aot import compile_ahead, matmul_precision
+from jaxspec.cache import compile_cache_hits
 from jaxspec.draft.bucketed import DRAFT_COMPILER_OPTIONS
 from jaxspec.engine.config import EngineConfig
 from jaxspec.engine.programs import DecodeState, PrefillBatch, Programs, Weights
@@ -29,6 +33,31 @@ def fetch(x: jax.Array) -> np.ndarray:
         return jax.device_get(x)
 
 
+class _CompileProgress:
+    """`compiling N programs (...)...`, a bar on stderr, then how long it took and what came from the compile cache."""
+
+    def __init__(self, total: int, what: str):
+        from tqdm import tqdm
+
+        print(f"compiling {total} programs ({what})...", file=sys.stderr, flush=True)
+        self.bar = tqdm(total=total, desc="compiling", unit="program", file=sys.stderr)
+        self.total, self.cached, self.start = total, 0, time.perf_counter()
+
+    def update(self, from_cache: bool) -> None:
+        self.cached += from_cache
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        seconds = time.perf_counter() - self.start
+        if self.cached == self.total:
+            line = f"loaded {self.total} programs from the compile cache in {seconds:.1f} s"
+        else:
+            line = f"compiled {self.total} programs in {seconds:.1f} s" + (
+                f" ({self.cached} loaded from the compile cache)" if self.cached else "")
+        print(line, file=sys.stderr, flush=True)
+
+
 class Runner:
     def __init__(self, config: EngineConfig, programs: Programs, weights: Weights, cache: PagedKVCache):
         self.config, self.programs, self.weights, self.cache = config, programs, weights, cache
@@ -44,13 +73,13 @@ class Runner:
 
     # ---- compiling -------------------------------------------------------------------------------------------------
 
-    def compile(self, sample: bool) -> None:
-        """Compile prefill and decode programs for every bucket (greedy, or the sampled variants)."""
+    def compile(self, sample: bool, progress: bool = False) -> None:
+        """Compile prefill and decode programs for every bucket (greedy, or the sampled variants). progress: say on
+        stderr what is compiled, with a progress bar, and how many programs the persistent compile cache held."""
         if sample in self.compiled_variants:
             return
         c, spec, i32 = self.config, self.cache.spec, jnp.int32
-        opts = DRAFT_COMPILER_OPTIONS  # every program rounds where the model says, as the eager reference does
-        precision = matmul_precision(self.weights.target["embed"].dtype)
+        programs = {}
         for b in c.buckets:
             vec = lambda dt=i32: jax.ShapeDtypeStruct((b,), dt)  # noqa: E731
             pages = PageTables(page_table=jax.ShapeDtypeStruct((b, spec.max_pages_per_request), i32),
@@ -59,13 +88,25 @@ class Runner:
             batch = PrefillBatch(tokens=jax.ShapeDtypeStruct((b, c.prefill_chunk), i32), cached_len=vec(),
                                  num_new=vec(), slot=vec(), last=vec(jnp.bool_), pending_token=vec(),
                                  num_generated=vec(), max_new_tokens=vec(), ignore_eos=vec(jnp.bool_), sampling=smeta)
-            self.executables[("prefill", b, sample)] = compile_ahead(
-                self.programs.prefill(sample), self.weights, self.cache.kv, self.state, batch, pages,
-                donate_argnames=("kv", "state"), compiler_options=opts, precision=precision)
+            programs[("prefill", b, sample)] = (self.programs.prefill(sample),
+                                                (self.weights, self.cache.kv, self.state, batch, pages))
             drafts = (jax.ShapeDtypeStruct((b, c.k), i32),) if c.draft_mode == "eager" else ()
-            self.executables[("decode", b, sample)] = compile_ahead(
-                self.programs.decode_rounds(c.rounds_per_call, sample), self.weights, self.cache.kv, self.state,
-                vec(), pages, *drafts, donate_argnames=("kv", "state"), compiler_options=opts, precision=precision)
+            programs[("decode", b, sample)] = (self.programs.decode_rounds(c.rounds_per_call, sample),
+                                               (self.weights, self.cache.kv, self.state, vec(), pages, *drafts))
+        buckets = f"{len(c.buckets)} bucket" + "s" * (len(c.buckets) > 1)
+        bar = _CompileProgress(len(programs), f"prefill {buckets}, decode {buckets}, "
+                                              f"{'sampled' if sample else 'greedy'}") if progress else None
+        precision = matmul_precision(self.weights.target["embed"].dtype)
+        for key, (fn, args) in programs.items():
+            hits = compile_cache_hits()
+            self.executables[key] = compile_ahead(
+                fn, *args, donate_argnames=("kv", "state"),
+                compiler_options=DRAFT_COMPILER_OPTIONS,  # every program rounds where the model says, as eager does
+                precision=precision)
+            if bar:
+                bar.update(from_cache=compile_cache_hits() > hits)
+        if bar:
+            bar.close()
         self.compiled_variants.add(sample)
 
     def rebuild(self) -> None:

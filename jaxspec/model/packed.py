@@ -163,7 +163,6 @@ def unpack_assistant(packed_dir: str, hf_dir: str) -> None:
 
 
 BUNDLED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "gemma3-270m-assistant")
-BUNDLED_MARKER = "jaxspec_unpacked.json"
 
 
 def bundled_assistant_dir() -> str:
@@ -171,25 +170,12 @@ def bundled_assistant_dir() -> str:
     `jaxspec/assets`), unpacked once into the user cache as an HF-layout folder; later calls just return it."""
     import hashlib
 
-    from jaxspec.model.gguf import cache_root
+    from jaxspec.cache import cached_folder
 
     with open(os.path.join(BUNDLED, MANIFEST), "rb") as f:
-        stamp = hashlib.sha256(f.read()).hexdigest()
-    out = os.path.join(cache_root(), "gemma-3-270m-assistant")
-    try:
-        with open(os.path.join(out, BUNDLED_MARKER)) as f:
-            if json.load(f).get("manifest_sha256") == stamp:
-                return out
-    except (OSError, ValueError):
-        pass
-    tmp = f"{out}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    unpack_assistant(BUNDLED, tmp)
-    with open(os.path.join(tmp, BUNDLED_MARKER), "w") as f:
-        json.dump({"manifest_sha256": stamp}, f)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
+        key = {"manifest_sha256": hashlib.sha256(f.read()).hexdigest()}
+    return cached_folder("gemma-3-270m-assistant", key, lambda tmp: unpack_assistant(BUNDLED, tmp),
+                         "unpacking the bundled assistant")
 
 
 def main(argv=None) -> int:

@@ -130,7 +130,7 @@ def chi_square_cells(law, n):
 
 
 def samples_needed(law):
-    """The smallest n (in thousands) at which the chi-square test at level ALPHA rejects every law q with
+    """The smallest n (a multiple of 1000) at which the chi-square test at level ALPHA rejects every law q with
     TV(q, law) >= TV with probability >= POWER. Pearson's statistic is then noncentral chi-square with
     lambda = n * sum((q - p)^2 / p) >= n * (2 TV)^2 (Cauchy-Schwarz: (sum |q - p|)^2 <= sum (q - p)^2 / p * sum p),
     whatever the shape of the error."""
@@ -202,8 +202,9 @@ def test_speculative_sampling_matches_transformers_law(sampling_oracle):
     Temperature/TopK/TopP warpers, in its order, on the same tiny target (tests/oracle: `law_i`), for T 0.7, top-k 3
     at T 1, and T 1.5 with top-k 4 then top-p 0.8 (whose cut depends on that order). Per case, n samples so that
     the chi-square test at level 1e-3 rejects any law 0.02 away in total variation with probability >= 0.9
-    (`samples_needed`: 33K for the 34 cells of T 0.7, 21K for the 9 of the others); a pair the warpers exclude
-    must never appear. The draft is both accepted and rejected, so the residual and the bonus are exercised."""
+    (`samples_needed`: 33K for the 35 cells of T 0.7, two of its 36 pairs pooled, 21K for the 9 of the others); a
+    pair the warpers exclude must never appear. t2 is the accepted draft in a fifth of the rounds and the residual
+    sample in the rest, so both branches of the accept rule shape the law."""
     cases, ref = oracle_cases(sampling_oracle[-1]), sampling_oracle[-1]
     laws = [ref[f"law_{i}"] for i in range(len(cases))]
     ns = [samples_needed(law) for law in laws]

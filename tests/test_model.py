@@ -103,18 +103,29 @@ def test_comparison_has_teeth():
         assert np.max(np.abs(logits - ref["logits"])) > 100 * TOL, what
 
 
+def bf16_errors(logits, ref):
+    """mean and max |logit - fp32 golden|, and the share of positions whose argmax agrees with the golden's."""
+    d = np.abs(logits - ref["logits"])
+    return float(d.mean()), float(d.max()), float(np.mean(logits.argmax(-1) == ref["logits"].argmax(-1)))
+
+
 def test_bf16_close_to_fp32():
-    """bf16 weights and activations against the fp32 golden. Tolerance (bf16 keeps 8 bits; this random network
-    amplifies rounding, see the module docstring): mean |dlogit| < 0.05, max < 0.5 (logits span about +-30),
-    the same argmax on >= 85% of positions (measured: 0.019, 0.33, 92.5%)."""
+    """bf16 weights and activations against the fp32 golden, measured against the error bf16 rounding itself causes
+    in this network: transformers' own bf16 forward of the same bf16 checkpoint (`logits_bf16`). Measured (the
+    golden logits: std 0.40, max |logit| 1.61; bf16's epsilon 2^-7 = 0.0078): transformers' |dlogit| mean 0.0194
+    (6 epsilons of the logit std), max 0.237, argmax agreement 36/40; jaxspec's mean 0.0187, max 0.332, 37/40.
+    Bounds: mean within 1.5x and max within 2x of transformers' (the max is one extreme of 20 480 values, so it
+    gets the wider margin), argmax agreement at most 2 positions below transformers'. Broken variants in bf16:
+    layer_scalar ignored (mean 0.088, 24/40) and the window off by one (0.163, 22/40) fail every bound, full RoPE
+    (0.023, 33/40) fails the argmax one; a 5% logit scale error (0.026) is within the bf16 noise here."""
     cfg, params = load_target(golden_path("e2b", "target_bf16"), "bf16")
     ref = load_reference("e2b")
     logits, _, _ = run_dense(cfg, params, ref["prompt_ids"], jnp.bfloat16)
-    err = np.max(np.abs(logits - ref["logits"]))
-    agree = np.mean(logits.argmax(-1) == ref["logits"].argmax(-1))
-    mean = np.mean(np.abs(logits - ref["logits"]))
-    print(f"bf16 vs fp32 golden: max |dlogit| {err:.4f}, mean {mean:.4f}, argmax agreement {agree:.3f}")
-    assert mean < 0.05 and err < 0.5 and agree >= 0.85
+    mean, err, agree = bf16_errors(logits, ref)
+    hf_mean, hf_err, hf_agree = bf16_errors(ref["logits_bf16"], ref)
+    print(f"bf16 vs fp32 golden: |dlogit| mean {mean:.4f}, max {err:.4f}, argmax agreement {agree:.3f}; "
+          f"transformers bf16: {hf_mean:.4f}, {hf_err:.4f}, {hf_agree:.3f}")
+    assert mean < 1.5 * hf_mean and err < 2 * hf_err and agree >= hf_agree - 2 / (logits.shape[0] * logits.shape[1])
 
 
 def test_hub_style_config_reads_the_same(tmp_path):

@@ -148,24 +148,38 @@ def test_requests_join_while_others_decode_bs_1_to_65(plain_reference):
         assert r.output_ids == want[i], f"request {i}"
 
 
-def test_decode_steps_transfer_only_their_results():
-    """Under jax.transfer_guard("disallow") (no implicit transfer either way; on a GPU device -> host is guarded
-    too), every step runs: uploads are explicit and only of changed inputs, and each decode call has exactly one
-    device -> host transfer (the engine's `read`), its committed tokens; drafts never leave the device."""
+def test_decode_steps_transfer_only_their_results(monkeypatch):
+    """One device -> host transfer per decode call, and the drafts never leave the device:
+    - every step runs under jax.transfer_guard("disallow"): no implicit transfer (on the CPU host -> device only,
+      as a CPU array needs no copy to be read; on a GPU device -> host too, bench/results/h200-s4-tests.txt);
+    - every explicit one (`runner.fetch`, the engine's only way to read) is a prefill's token per row or, once per
+      decode call, that call's committed tokens and counts [bucket, R, k + 2];
+    - each compiled decode program takes no drafts and returns, besides the K/V and the round state it is donated,
+      only those committed tokens: a draft has no way out of it."""
+    from jaxspec.engine import runner
+
     cfg, params, acfg, aparams = pair()
     eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
                  max_context=64, prefill_chunk=8, rounds_per_call=2, overlap=True)
     eng.warmup()
-    reads = []
-    read = eng.runner.read
-    eng.runner.read = lambda out: reads.append(out.shape) or read(out)
+    fetched, fetch = [], runner.fetch
+    monkeypatch.setattr(runner, "fetch", lambda x: fetched.append(x.shape) or fetch(x))
     for p in ([3, 4, 5], list(range(3, 20)), [7] * 9):
         eng.add_request(Request(prompt_ids=p, params=GREEDY))
     with jax.transfer_guard("disallow"):
         while eng.has_work():
             eng.step()
-    assert len(reads) == eng.stats.calls > 0
-    assert all(shape == (4, 2, eng.k + 2) for shape in reads)
+    results = (4, 2, eng.k + 2)
+    assert fetched.count(results) == eng.stats.calls > 0
+    assert set(fetched) == {results, (4,)}, fetched  # (4,): a prefill chunk's tokens
+    for (kind, bucket, _), program in eng.runner.executables.items():
+        args, _ = program.args_info
+        kv, state, out = program.out_info
+        assert jax.tree.structure(state) == jax.tree.structure(eng.runner.state)
+        assert jax.tree.structure(kv) == jax.tree.structure(eng.cache.kv)
+        if kind == "decode":
+            assert len(args) == 5, "a decode program with an input beyond weights, kv, state, slots, pages"
+            assert out.shape == (bucket, 2, eng.k + 2)
 
 
 def test_comparison_catches_a_stale_pending_token(oracle, monkeypatch):

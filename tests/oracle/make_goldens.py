@@ -44,6 +44,10 @@ from transformers import (
     Gemma4ForCausalLM,
     Gemma4ForConditionalGeneration,
     Gemma4TextConfig,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 from transformers import modeling_rope_utils
 from transformers.modeling_rope_utils import dynamic_rope_update
@@ -65,7 +69,7 @@ ASST_STEPS = 3
 SMALL_I = 64  # intermediate_size of the cases whose MLP width is not pinned (sharded, mm, dense31): saves ~1 MB
 NUM_ASSISTANT_TOKENS = 3
 
-SEEDS = {"e2b": 0, "moe": 1, "dense31": 2, "mm": 3, "sharded": 4, "gemma3": 5}
+SEEDS = {"e2b": 0, "moe": 1, "dense31": 2, "mm": 3, "sharded": 4, "gemma3": 5, "sampling": 6}
 ALL_CASES = list(SEEDS)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -671,7 +675,8 @@ def build_case(case, out_root, ref):
         bad = [k for k in keys if not k.startswith("model.language_model.")]
         assert not bad and keys, f"mm: keys outside model.language_model.: {bad[:5]}"
     if case == "e2b":
-        copy.deepcopy(target).to(torch.bfloat16).save_pretrained(cdir / "target_bf16")
+        target_bf16 = copy.deepcopy(target).to(torch.bfloat16)
+        target_bf16.save_pretrained(cdir / "target_bf16")
     asst_dirs = {}
     for name, a in assistants.items():
         asst_dirs[name] = cdir / name
@@ -679,6 +684,10 @@ def build_case(case, out_root, ref):
 
     # --- goldens
     res = forward_goldens(case, target, is_g4)
+    if case == "e2b":  # transformers' own bf16 rounding of this network: the bf16 test's yardstick
+        with torch.no_grad():
+            res["logits_bf16"] = f32(target_bf16(input_ids=torch.from_numpy(res["prompt_ids"]), use_cache=False,
+                                                 output_hidden_states=True).logits)
     ref_diff = check_target_vs_ref(ref, case, target, tdir, res) if (ref is not None and is_g4) else None
 
     set_no_eos(target)
@@ -733,6 +742,95 @@ def build_case(case, out_root, ref):
     return entry
 
 
+# ----------------------------------------------------------------------------------------------- sampling laws
+SAMPLING_V = 6  # small enough that the law of two tokens has few cells (tests/test_engine.py samples it)
+SAMPLING_PROMPT = [1, 4, 2, 3, 0, 5, 2]  # longer than the window (4)
+SAMPLING_EMBED_SCALE = 3.0  # the tied embedding scaled up: logits far from uniform, yet every token plausible
+# (temperature, top_k, top_p); transformers' neutral values (1.0, 0, 1.0) switch a warper off. The last case's top-p
+# cut depends on the order: after top-k it keeps 9 of the 16 (t1, t2) pairs top-k keeps, on its own it would keep 15
+SAMPLING_CASES = [(0.7, 0, 1.0), (1.0, 3, 1.0), (1.5, 4, 0.8)]
+HOT = 1.06  # the laws of a sampler whose temperature is 6% too high in speculative rounds (the test's broken one;
+#             TV 0.021 from the right law at T 0.7, just above the 0.02 the test is sized to detect)
+
+
+def sampling_warpers(temperature, top_k, top_p):
+    """transformers' sampling warpers, in the order and under the conditions `GenerationMixin._get_logits_processor`
+    appends them (5.24: temperature, then top-k, then top-p; min_tokens_to_keep 1 without beams)."""
+    warpers = LogitsProcessorList()
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    return warpers
+
+
+def next_token_law(ids, logits, temperature, top_k, top_p):
+    """generate(do_sample=True)'s next-token distribution: the warpers on the fp32 logits [B, V], then softmax
+    (in float64). Also the smallest distance of a top-p cumulative sum from its cut, so that the law does not
+    depend on rounding (asserted > 1e-3)."""
+    scores = sampling_warpers(temperature, top_k, top_p)(ids, logits.float())
+    margin = 1.0
+    if top_p < 1.0:  # TopPLogitsWarper's cut, on the scores it receives (tempered, top-k filtered)
+        before = sampling_warpers(temperature, top_k, 1.0)(ids, logits.float())
+        cum = before.sort(-1).values.softmax(-1).cumsum(-1)
+        margin = float((cum - (1 - top_p)).abs().min())
+    return scores.double().softmax(-1), margin
+
+
+@torch.no_grad()
+def build_sampling_case(out_root):
+    """The exact law of the first two sampled tokens (t1 after the prompt, t2 after prompt + t1) of a tiny Gemma 4
+    target over a vocabulary of 6, for each of SAMPLING_CASES, as transformers' generate(do_sample=True) samples
+    them. Writes <out>/sampling/target/ and reference.npz: `prompt_ids` [7]; the target's raw logits after the
+    prompt, `logits_first` [V], and after prompt + [a], `logits_second` [V(a), V]; `sampling_cases` [n, 3]
+    (temperature, top_k, top_p); per case `law_{i}` [V, V] float64 = P(t1 = a, t2 = b) and `hot_law_{i}`, the same
+    with t2 drawn at temperature x `hot` (HOT)."""
+    t0 = time.time()
+    torch.manual_seed(SEEDS["sampling"])
+    cdir = out_root / "sampling"
+    if cdir.exists():
+        shutil.rmtree(cdir)
+    cdir.mkdir(parents=True)
+    V6 = SAMPLING_V
+    model = Gemma4ForCausalLM(gemma4_text_config(
+        vocab_size=V6, vocab_size_per_layer_input=V6, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=32, layer_types=[S, F, F],
+        sliding_window=4, hidden_size_per_layer_input=0, num_kv_shared_layers=1, use_double_wide_mlp=False)).eval()
+    randomize(model)
+    model.model.embed_tokens.weight.mul_(SAMPLING_EMBED_SCALE)
+    model.save_pretrained(cdir / "target")
+
+    # output_hidden_states: 5.24's KV-sharing fast path slices the per-layer inputs, None without PLE (a crash)
+    logits = lambda ids: model(input_ids=ids, use_cache=False, output_hidden_states=True).logits[:, -1]  # noqa: E731
+    prompt = torch.tensor([SAMPLING_PROMPT])
+    first = logits(prompt)  # [1, V]
+    seconds = torch.cat([prompt.expand(V6, -1), torch.arange(V6)[:, None]], 1)  # row a: prompt + [a]
+    second = logits(seconds)  # [V, V]
+    res = {"prompt_ids": i64(prompt[0]), "logits_first": f32(first[0]), "logits_second": f32(second),
+           "sampling_cases": np.array(SAMPLING_CASES, np.float64), "hot": np.float64(HOT)}
+    diag = {"logits_std": round(float(torch.cat([first, second]).std()), 4), "top_p_margin": 1.0, "tv_hot": []}
+    for i, (temperature, top_k, top_p) in enumerate(SAMPLING_CASES):
+        p1, m1 = next_token_law(prompt, first, temperature, top_k, top_p)
+        p2, m2 = next_token_law(seconds, second, temperature, top_k, top_p)
+        hot, _ = next_token_law(seconds, second, temperature * HOT, top_k, top_p)
+        res[f"law_{i}"] = f64(p1[0][:, None] * p2)
+        res[f"hot_law_{i}"] = f64(p1[0][:, None] * hot)
+        assert abs(res[f"law_{i}"].sum() - 1) < 1e-12
+        diag["top_p_margin"] = round(min(diag["top_p_margin"], m1, m2), 6)
+        diag["tv_hot"].append(round(0.5 * float(np.abs(res[f"law_{i}"] - res[f"hot_law_{i}"]).sum()), 5))
+    assert diag["top_p_margin"] > 1e-3, f"a top-p cut within {diag['top_p_margin']} of a cumulative sum"
+    save_npz(cdir / "reference.npz", res)
+    entry = {"model_type": model.config.model_type, "class": type(model).__name__, "seed": SEEDS["sampling"],
+             "vocab": V6, "hidden": 32, "window": 4, "layer_types": list(model.config.layer_types),
+             "sampling_cases": [list(c) for c in SAMPLING_CASES], "hot": HOT, "diagnostics": diag,
+             "arrays": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in sorted(res.items())},
+             "files": dir_files(cdir)}
+    print(f"[sampling] {time.time() - t0:.2f}s  {diag}", flush=True)
+    return entry
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(REPO / "tests" / "golden"))
@@ -760,7 +858,7 @@ def main():
     t0 = time.time()
     entries = manifest.get("cases", {})
     for c in cases:
-        entries[c] = build_case(c, out, ref)
+        entries[c] = build_sampling_case(out) if c == "sampling" else build_case(c, out, ref)
     manifest = {
         "generator": "tests/oracle/make_goldens.py",
         "transformers": transformers.__version__,

@@ -140,6 +140,19 @@ def test_hub_style_config_reads_the_same(tmp_path):
     assert load_target_config(str(tmp_path)) == load_target_config(src)
 
 
+def test_transformers_saved_config_with_no_full_layer_override(tmp_path):
+    """transformers saves `per_layer_config: {}` (and no global_head_dim) when the full layers keep the sliding
+    layers' head_dim and KV heads: those are the full geometry, not the hub default of 512."""
+    src = golden_path("e2b", "target")
+    d = json.load(open(os.path.join(src, "config.json")))
+    d["per_layer_config"] = {}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = load_target_config(str(tmp_path))
+    assert (cfg.global_head_dim, cfg.num_global_kv_heads) == (cfg.head_dim, cfg.num_kv_heads) == (16, d[
+        "num_key_value_heads"])
+    assert load_target_config(src).global_head_dim == 32  # the golden's own override still applies
+
+
 def test_e4b_params_fit_few_leaves():
     cfg = PRESETS["E4B"]
     n = len(global_shapes(cfg)) + sum(len(layer_shapes(cfg, g)) for g in cfg.groups)

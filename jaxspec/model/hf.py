@@ -140,7 +140,7 @@ def _text_config(d: dict, mt: str, validate: bool = True) -> TargetConfig:
     full = [i for i in range(L) if layer_types[i] == FULL]
     if gemma3:
         g_hd, g_kvh = head_dim, kvh
-    elif d.get("per_layer_config"):
+    elif isinstance(d.get("per_layer_config"), dict):  # {} when full layers keep the sliding geometry
         ovs = [_layer_override(d, i) for i in full]
         g_hd = {_int(o, "head_dim", head_dim) for o in ovs}
         g_kvh = {_int(o, "num_key_value_heads", kvh) for o in ovs}

@@ -19,6 +19,18 @@ from jaxspec.model.weights import load_assistant, load_target, random_assistant_
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+
+@pytest.fixture(autouse=True, scope="session")
+def no_compile_cache_in_the_test_process():
+    """CLI entry points called in-process (generate's main) would turn JAX's persistent compilation cache on for the
+    rest of the session, so later tests would load programs that earlier ones wrote: keep this process hermetic.
+    Subprocesses (the CLI tests, tests/test_cache.py) use the cache as a user's run does."""
+    import jaxspec.cache
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(jaxspec.cache, "enable_compile_cache", lambda: None)
+        yield
+
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
 

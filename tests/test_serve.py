@@ -360,5 +360,8 @@ def test_bad_flags_exit_2(capsys):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         assert main(["--port", str(taken.getsockname()[1])]) == 2
+    assert main(["--max-context", "0"]) == 2  # the engine flags are generate's, checked as generate checks them
+    assert main(["--model", "/nonexistent"]) == 2
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 3 and all(x.startswith("error: ") for x in lines), lines
+    assert len(lines) == 5 and all(x.startswith("error: ") for x in lines), lines
+    assert "--max-context" in lines[3] and "/nonexistent" in lines[4], lines

@@ -11,7 +11,7 @@ import socket
 import sys
 
 from jaxspec.cli import Parser, run_cli  # stdlib-only imports: bad flags are answered before jax loads
-from jaxspec.launch import add_engine_args, add_model_args, build_engine, load_pair
+from jaxspec.launch import add_engine_args, add_model_args, build_engine, check_args, load_pair
 
 
 def parse_args(argv=None):
@@ -43,12 +43,13 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def run(args) -> int:
+    check_args(args)  # the engine flags and the model folders' configs, before the port is taken or jax loads
+    sock = listen(args.host, args.port)
     import jax
     import uvicorn
 
     from jaxspec.serve.app import create_app
 
-    sock = listen(args.host, args.port)
     pair = load_pair(args)
     engine = build_engine(args, pair)
     print(f"model: {pair.label}; draft: {engine.config.draft_mode}" + (f" k={engine.k}" if engine.k else "") +

@@ -43,7 +43,9 @@ def test_propose(tmp_path):
     p = r["rows"][0]
     assert {"bucketed_us", "eager_us", "eager/bucketed", "no_cmd/bucketed"} <= set(p)
     assert p["no_cmd_buffer_us"] is None  # command buffers exist on GPUs only
-    assert 0.0 <= p["same_drafts"] <= 1.0
+    # the bucketed drafts equal the eager reference's on the same inputs (bf16 here; tests/test_drafter.py measures 0
+    # of 64 bf16 trajectories differing on the CPU and on the H200)
+    assert p["same_drafts"] == 1.0
     assert p["memory"].startswith("K/V arrays")
 
 
@@ -91,7 +93,10 @@ def test_e2e(tmp_path):
             "--new-tokens", "6", "--chunk", "8", "--page-size", "4")
     assert [(e["bs"], e["mode"], e["k"]) for e in r["rows"]] == [(2, "off", 0), (2, "bucketed", 3)]
     for e in r["rows"]:
-        assert e["decode_tokens_per_s"] > 0 and e["mean_accept_length"] >= 1.0
+        assert e["decode_tokens_per_s"] > 0
+        # plain decoding commits one token a round; a speculative round 1..k+1 with one acceptance rate per position
+        assert len(e["acceptance_per_position"]) == e["k"]
+        assert e["mean_accept_length"] == 1.0 if e["k"] == 0 else 1.0 <= e["mean_accept_length"] <= e["k"] + 1
         assert {"launch_ms_per_round", "wait_ms_per_round", "host_ms_per_round", "calls"} <= set(e)
 
 

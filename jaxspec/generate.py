@@ -9,6 +9,7 @@ Bad input prints one line and exits with status 2.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -201,7 +202,10 @@ def generate(args, records: Records) -> int:
     if args.stop and tokenizer is None:
         raise ConfigError("--stop needs a tokenizer, and this model folder has none")
     ids = tokenize(prompts, tokenizer)
-    engine = build_engine(args, pair)
+    # no batch can exceed the requests there are: the buckets above them are never compiled (a one-prompt run
+    # compiles two programs, not ten)
+    engine = build_engine(argparse.Namespace(**{**vars(args), "max_running_requests": min(
+        args.max_running_requests, len(ids))}), pair)
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     requests = [Request(prompt_ids=p, params=dataclasses.replace(sp, seed=args.seed + i), index=i)

@@ -4,6 +4,9 @@
 # Each part fits one device call (10 minutes). On a two-GPU machine two parts run side by side:
 #   (CUDA_VISIBLE_DEVICES=0 bash bench/h200.sh e2e0 &); CUDA_VISIBLE_DEVICES=1 bash bench/h200.sh e2e1; wait
 # (e2e1 runs bench/peers/run_peers.sh: carry .whl). Compiles are shared within a part through the persistent cache.
+# session 6 (issues #13, #16, #17), one warm machine, calls chained without pause: `bash bench/h200.sh s6-stage` once per
+# carried GGUF part (.gg0 .. .gg7, with .whl and .tok in the first), then `... s6-distill` (with .gg7 and .dist), then
+# `... s6-bench`; `... s6-tests` where device time is left.
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -150,4 +153,39 @@ from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_
     --prompts bench/prompts/270m-heldout.jsonl --bs 8 --requests 16 --new-tokens 128 --modes off,bucketed \
     --rounds-per-call "${RS8:-1,8}" --overlap off,on --json "$OUT/e2e-270m-bs8.json" >> "$OUT/270m.log" 2>&1
   grep "^e2e bs\|Error\|skipped" "$OUT/270m.log" | head -40 ;;
+s6-stage)  # a carried part of the GGUF is now on the machine (nothing else runs)
+  ls -la .gg*/part | awk '{print $5, $9}'; df -h /root | tail -1 ;;
+s6-tests)  # issue #13's GPU lane again: the round tests against transformers' greedy (Triton kernels, fp32)
+  timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider -s ${TESTS:-tests/test_rounds.py} \
+    > "$OUT/tests.txt" 2>&1
+  grep -E "passed|failed|Error" "$OUT/tests.txt" | tail -15 ;;
+s6-distill)  # issue #17: assemble and convert the GGUF (tokenizer from .tok), distill a drafter on the mixed corpus
+  # (.dist/mixed.jsonl.xz from `python -m jaxspec.corpus`) with early stopping, pack it under $OUT/packed
+  cat "$OUT/gpu-s6-distill.txt" > "$OUT/distill.log"; rm -f "$OUT/gpu-s6-distill.txt"  # 8 files come back at most
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl
+  cat .gg?/part | python3 -c "import lzma, sys, shutil; shutil.copyfileobj(lzma.LZMAFile(sys.stdin.buffer), \
+    open('/tmp/model.gguf', 'wb'))"
+  sha256sum /tmp/model.gguf >> "$OUT/distill.log"
+  PYTHONPATH=/tmp/site:. python3 -c "
+from jaxspec.model import gguf
+gguf._tokenizer = lambda meta: type('NoTokenizer', (), {'save_pretrained': lambda self, d: None})()
+gguf.convert_gguf('/tmp/model.gguf', '/root/gemma-3-270m')" >> "$OUT/distill.log" 2>&1
+  tar xJf .tok/tok.tar.xz -C /root/gemma-3-270m  # the tokenizer converted where transformers 5.24 is
+  xz -dc .dist/mixed.jsonl.xz > /root/mixed.jsonl
+  timeout ${DISTILL_TIMEOUT:-480} python3 -m jaxspec.distill --model /root/gemma-3-270m --out /root/asst \
+    --packed-out "$OUT/packed" --prompts /root/mixed.jsonl --quiet ${DISTILL_ARGS:---k 4 --num-prompts 8000 \
+    --num-heldout 384 --gen-batch 512 --eval-every 500 --patience 3 --time-limit 400} >> "$OUT/distill.log" 2>&1
+  grep -v "^ *$" "$OUT/distill.log" | tail -30 ;;
+s6-bench)  # issues #16 and #17 with the drafter s6-distill left in /root/asst: the server under 1, 8, 32 streaming
+  # clients, then the engine at bs 1 (16 held-out prompts one at a time, 128 new tokens) for k = 1..6
+  python3 -c "from transformers import AutoTokenizer as T; print(T.from_pretrained('/root/gemma-3-270m'))" \
+    > "$OUT/serve.log" 2>&1 || rm -f /root/gemma-3-270m/tokenizer*  # this transformers cannot read it: ids in
+  timeout ${SERVE_TIMEOUT:-230} python3 -m jaxspec.bench serve --model /root/gemma-3-270m --assistant /root/asst \
+    --server-args "--max-running-requests 32 ${SERVE_ARGS:-}" --clients 1,8,32 \
+    --prompts bench/prompts/270m-heldout.jsonl --json "$OUT/serve-270m.json" >> "$OUT/serve.log" 2>&1
+  timeout ${E2E_TIMEOUT:-330} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant /root/asst \
+    --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 --modes off,bucketed \
+    -k "${KS:-1,2,3,4,5,6}" --rounds-per-call "${RS:-1,16}" --overlap on --json "$OUT/e2e-270m-k.json" \
+    > "$OUT/e2e.log" 2>&1
+  grep -v "^ *$" "$OUT/serve.log" | tail -12; grep "^e2e bs\|Error" "$OUT/e2e.log" | head -30 ;;
 esac

@@ -27,6 +27,7 @@ from jaxspec.distill.objective import draft_forward, head_outputs, vocab_head
 from jaxspec.distill.train import TrainConfig, TrainContext, eval_step, evaluate, init_params, replay_rounds, train
 from jaxspec.engine import Engine, Request, SamplingParams
 from jaxspec.engine import programs as programs_mod
+from jaxspec.launch import PROMPTS
 from jaxspec.model import packed
 from jaxspec.model.hf import assistant_config_from_dict, assistant_hf_config
 from jaxspec.model.weights import load_assistant, load_target, random_assistant_params
@@ -65,7 +66,7 @@ def trained(tiny):
     t = tiny
     p0 = init_params(t["acfg"], len(t["kept"]), TC.seed)
     before = evaluate(p0, t["ctx"], t["held"])
-    p1, _ = train(p0, t["ctx"], t["data"], progress=False)
+    p1, _, _ = train(p0, t["ctx"], t["data"], progress=False)
     after = evaluate(p1, t["ctx"], t["held"])
     return p1, before, after
 
@@ -194,6 +195,26 @@ def test_short_run_learns(trained):
     assert after["loss"] < before["loss"] - 0.5
     assert after["accuracy_per_step"][0] > before["accuracy_per_step"][0] + 0.1
     assert after["expected_accept_length"] > 1.1
+
+
+def test_early_stopping_returns_the_best_evaluation(tiny):
+    """Evaluated every 20 steps with patience 1: training stops at the first evaluation that is no better, and the
+    params returned are those of the best one (their accept length re-measured equals the best recorded, above the
+    last); a deadline already past stops after one step."""
+    t = tiny
+    p0 = init_params(t["acfg"], len(t["kept"]), TC.seed)
+    params, _, record = train(p0, t["ctx"], t["data"], eval_data=t["held"], eval_every=20, patience=1,
+                              progress=False)
+    values = [e["expected_accept_length"] for e in record["evaluations"]]
+    assert len(values) >= 3 and record["stopped_at_step"] == record["evaluations"][-1]["step"]
+    assert record["best_heldout_expected_accept_length"] == pytest.approx(max(values), abs=1e-6)
+    assert evaluate(params, t["ctx"], t["held"])["expected_accept_length"] == pytest.approx(max(values), abs=1e-6)
+    assert record["best_step"] == record["evaluations"][values.index(max(values))]["step"]
+    assert record["reason"].startswith("1 evaluations") and record["stopped_at_step"] < TC.steps
+    assert values[-1] < max(values) or values[-1] == values[-2]
+    p0 = init_params(t["acfg"], len(t["kept"]), TC.seed)  # the first run's were donated
+    _, _, late = train(p0, t["ctx"], t["data"], eval_data=t["held"], eval_every=20, deadline=0.0, progress=False)
+    assert late["stopped_at_step"] == 1 and late["reason"] == "time limit" and len(late["evaluations"]) == 1
 
 
 def test_accept_length_estimate_replays_the_engines_rounds(tiny, trained, engine_drafts):
@@ -334,3 +355,46 @@ def test_corpus_prompts_split_by_topic(tmp_path):
     n = corpus.write_heldout_text(str(tmp_path / "h.txt"), CharTokenizer(), rows)
     lines = open(tmp_path / "h.txt").read().splitlines()
     assert len(lines) == n > 0.9 * len(heldout) and all(line and line == " ".join(line.split()) for line in lines)
+
+
+def test_corpus_holds_out_whole_documents_and_drops_what_repeats_them():
+    """Every source holds out ~10% of its text in whole documents; docstrings go with their file and oneline
+    documents with their original; no document trained on contains a bundled prompt (held-out pydoc text, which
+    other pydoc topics repeat) or a held-out document's text."""
+    docs = corpus.corpus_sources(list(corpus.SOURCES))
+    split = corpus.split_documents(docs)
+    assert sorted(split) == sorted(corpus.SOURCES)
+    flat = {src: {n: " ".join(t.split()) for n, t in d.items()} for src, d in docs.items()}
+    for source, (held, dropped) in split.items():
+        size = {n: len(t) for n, t in docs[source].items()}
+        assert held and not held & dropped and held | dropped <= size.keys()
+        assert 0.05 < sum(size[n] for n in held) / sum(size.values()) < 0.25, source
+    assert split["docstrings"][0] == split["stdlib"][0] & docs["docstrings"].keys()
+    for name in docs["oneline"]:
+        src, _, doc = name.partition(":")
+        assert (name in split["oneline"][0]) == (doc in split[src][0])
+    trained = [t for src, (held, dropped) in split.items() for n, t in flat[src].items() if n not in held | dropped]
+    bundled = open(PROMPTS).read().splitlines()
+    assert len(bundled) >= 8
+    for line in bundled:
+        assert any(line[5:-5] in t for t in flat["pydoc"].values())
+        assert not any(line[5:-5] in t for t in trained), line[:40]
+    held_text = [flat["stdlib"][n] for n in sorted(split["stdlib"][0])]
+    passages = [t[i: i + 200] for t in held_text for i in range(0, len(t) - 200, 5000)]
+    assert not any(p in t for p in passages for t in trained)
+
+
+def test_corpus_rows_carry_their_source_and_split(tmp_path):
+    rows = corpus.corpus_rows(CharTokenizer(), ["pydoc", "docstrings"], 32, 64, 300)
+    by = {s: [r for r in rows if r["source"] == s] for s in ("pydoc", "docstrings")}
+    assert all(0 < len(v) <= 300 for v in by.values()) and len(rows) == sum(map(len, by.values()))
+    docs = corpus.corpus_sources(["pydoc", "docstrings"])
+    split = corpus.split_documents(docs)
+    for r in rows:
+        held, dropped = split[r["source"]]
+        assert r["topic"] not in dropped and (r["split"] == "heldout") == (r["topic"] in held)
+    assert {r["split"] for r in by["pydoc"]} == {"train", "heldout"}
+    path = str(tmp_path / "p.jsonl")
+    corpus.write_prompt_ids(path, rows)
+    train, heldout = corpus.split_rows(corpus.read_prompt_ids(path))
+    assert len(train) + len(heldout) == len(rows) and all(r["source"] for r in train + heldout)

@@ -90,7 +90,7 @@ def ratio(a, b):
 
 def print_table(title: str, columns, rows) -> None:
     """columns: (key, header, format); a None value prints as '-'."""
-    cells = [["-" if r[k] is None else fmt.format(r[k]) for k, _, fmt in columns] for r in rows]
+    cells = [["-" if r.get(k) is None else fmt.format(r[k]) for k, _, fmt in columns] for r in rows]
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (_, h, _) in enumerate(columns)]
     print(f"\n{title}")
     print("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)))

@@ -46,7 +46,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "engine's own; passed to the Engine only when given)")
     p.add_argument("--overlap", type=on_off, help="launch round n+1 before reading round n: on, off or on,off, a "
                    "row each (default: the engine's own; passed to the Engine only when given)")
-    p.add_argument("-k", type=positive, default=3)
+    p.add_argument("-k", type=sizes, default=[3], help="draft steps, a row each (e.g. 1,2,3,4,5,6; the plain rows "
+                   "run once)")
     p.add_argument("--prompt-len", type=positive, default=1024)
     p.add_argument("--new-tokens", type=positive, default=64)
     p.add_argument("--chunk", type=positive, default=256, help="prefill chunk")
@@ -84,12 +85,12 @@ def e2e_pair(args):
         lambda n: [rng.integers(3, cfg.vocab_size, args.prompt_len).tolist() for _ in range(n)]
 
 
-def make_engine(pair: Pair, bs: int, mode: str, args, **options) -> Engine:
-    """The engine of one row: one bucket of bs, at most bs requests running; `options` (rounds_per_call, overlap) when
-    given on the command line, else the engine's defaults."""
-    return Engine(pair.cfg, pair.params, acfg=pair.acfg, aparams=pair.aparams, k=args.k, draft_mode=mode,
+def make_engine(pair: Pair, bs: int, mode: str, k: int, args, **options) -> Engine:
+    """The engine of one row: one bucket of bs, at most bs requests running, k draft steps; `options`
+    (rounds_per_call, overlap) when given on the command line, else the engine's defaults."""
+    return Engine(pair.cfg, pair.params, acfg=pair.acfg, aparams=pair.aparams, k=k, draft_mode=mode,
                   buckets=(bs,), max_running=bs, page_size=args.page_size,
-                  max_context=args.prompt_len + args.new_tokens + args.k + 2, prefill_chunk=args.chunk, **options)
+                  max_context=args.prompt_len + args.new_tokens + k + 2, prefill_chunk=args.chunk, **options)
 
 
 def trace_figures(profile_dir: str) -> dict:
@@ -105,8 +106,9 @@ def trace_figures(profile_dir: str) -> dict:
     return {"gpu_busy_fraction": s["gpu_busy_fraction"], "round_gap_us": s["round_gap_us"]}
 
 
-def measure(engine: Engine, prompts, args, profile_dir: str | None) -> dict:
-    """Generate for every prompt (exactly --new-tokens each unless --stop-at-eos) -> the row's figures."""
+def measure(engine: Engine, prompts, args, profile_dir: str | None) -> tuple[dict, list[list[int]]]:
+    """Generate for every prompt (exactly --new-tokens each unless --stop-at-eos) -> (the row's figures, the output
+    ids of every request)."""
     engine.warmup()
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=not args.stop_at_eos)
     requests = [Request(prompt_ids=p, params=sp) for p in prompts]
@@ -119,7 +121,7 @@ def measure(engine: Engine, prompts, args, profile_dir: str | None) -> dict:
            "acceptance_per_position": s["acceptance_per_position"], "generated_tokens": s["generated_tokens"],
            "ttft_ms_mean": s["ttft_ms_mean"], "calls": s["calls"], "programs_compiled": s["programs_compiled"],
            **split}
-    return row | (trace_figures(profile_dir) if profile_dir else {})
+    return row | (trace_figures(profile_dir) if profile_dir else {}), [list(r.output_ids) for r in requests]
 
 
 def run(args) -> dict:
@@ -128,32 +130,39 @@ def run(args) -> dict:
     label, pair, make_prompts = e2e_pair(args)
     result = {"preset": None if args.model else args.preset, "model": label, "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "rows": []}
-    rows = result["rows"]
+    rows, plain = result["rows"], {}
     for bs in args.bs:
         prompts = make_prompts(args.requests or bs)
-        for mode, rounds_per_call, overlap in itertools.product(args.modes.split(","), args.rounds_per_call or [None],
-                                                                args.overlap or [None]):
-            settings = {"rounds_per_call": rounds_per_call, "overlap": overlap}
-            engine = make_engine(pair, bs, mode, args, **{k: v for k, v in settings.items() if v is not None})
+        runs = [(mode, k, r, o) for mode in args.modes.split(",") for k in (args.k[:1] if mode == "off" else args.k)
+                for r, o in itertools.product(args.rounds_per_call or [None], args.overlap or [None])]
+        for mode, k, rounds_per_call, overlap in runs:
+            settings = {"k": k if len(args.k) > 1 and mode != "off" else None, "rounds_per_call": rounds_per_call,
+                        "overlap": overlap}
+            engine = make_engine(pair, bs, mode, k, args,
+                                 **{n: v for n, v in settings.items() if v is not None and n != "k"})
             profile_dir = None  # the bucketed rows of the first bs are traced, each into its own folder
             if args.profile_dir and mode == "bucketed" and bs == args.bs[0]:
                 profile_dir = os.path.join(args.profile_dir, f"row-{len(rows)}")
+            figures, outputs = measure(engine, prompts, args, profile_dir)
             row = {"bs": bs, "mode": mode, "k": engine.k, "requests": len(prompts),
-                   "rounds_per_call": engine.config.rounds_per_call, "overlap": engine.config.overlap,
-                   **measure(engine, prompts, args, profile_dir)}
+                   "rounds_per_call": engine.config.rounds_per_call, "overlap": engine.config.overlap, **figures}
+            if mode == "off":
+                plain.setdefault(bs, outputs)
+            elif bs in plain:  # greedy speculation is lossless: the fraction of requests whose output is bit-equal
+                row["same_as_plain"] = float(np.mean([a == b for a, b in zip(outputs, plain[bs])]))
             rows.append(row)
-            given = "".join(f" {k} {v}" for k, v in settings.items() if v is not None)
+            given = "".join(f" {n} {v}" for n, v in settings.items() if v is not None)
             print(f"e2e bs {bs} {mode}{given}: {row['decode_tokens_per_s']:.1f} tok/s, "
                   f"accept {row['mean_accept_length']:.2f}")
             args.write_partial(result)
             del engine  # its K/V goes before the next engine allocates its own
     print_table(f"engine end to end, {label}, prompt {args.prompt_len}, {args.new_tokens} new "
                 f"tokens (decode tokens/s = sum(predicted_n) / sum(predicted_ms))", [
-                    ("bs", "bs", "{}"), ("mode", "mode", "{}"), ("rounds_per_call", "R", "{}"),
+                    ("bs", "bs", "{}"), ("mode", "mode", "{}"), ("k", "k", "{}"), ("rounds_per_call", "R", "{}"),
                     ("overlap", "overlap", "{}"), ("decode_tokens_per_s", "tok/s", "{:.1f}"),
                     ("throughput_tokens_per_s", "all tok/s", "{:.1f}"), ("mean_accept_length", "accept", "{:.2f}"),
                     ("rounds", "rounds", "{}"), ("calls", "calls", "{}"),
                     ("launch_ms_per_round", "launch_ms", "{:.3f}"), ("wait_ms_per_round", "wait_ms", "{:.3f}"),
-                    ("host_ms_per_round", "host_ms", "{:.3f}")],
+                    ("host_ms_per_round", "host_ms", "{:.3f}"), ("same_as_plain", "=plain", "{:.3f}")],
                 rows)
     return result

@@ -8,6 +8,7 @@ Bad input prints one line and exits with status 2.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import sys
@@ -35,15 +36,17 @@ def parse_args(argv=None):
     p.add_argument("--packed-out", default=None, help="packed form for shipping (default OUT/packed)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompts", default=None, help="prompt_ids JSONL (python -m jaxspec.corpus); no tokenizer")
-    src.add_argument("--corpus", choices=("pydoc",), default=None,
-                     help="built-in corpus (the default; needs the model folder's tokenizer)")
+    src.add_argument("--corpus", choices=("mixed", "pydoc"), default=None,
+                     help="built-in corpus: mixed (the default: every source of `python -m jaxspec.corpus`) or pydoc "
+                          "alone; needs the model folder's tokenizer")
+    p.add_argument("--max-per-source", type=int, default=4000, help="with --corpus mixed: prompts per source")
     p.add_argument("--heldout-out", default=None, help="with --corpus: write the held-out prompts as text lines")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=64, help="with --corpus: tokens per prompt")
     p.add_argument("--stride", type=int, default=None, help="with --corpus: tokens between prompts (default len/2)")
     p.add_argument("--num-prompts", type=int, default=4096, help="at most this many training prompts")
     p.add_argument("--num-heldout", type=int, default=256, help="at most this many held-out prompts")
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=20000, help="at most this many optimiser steps")
     p.add_argument("--batch", type=int, default=32, help="sequences per step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
@@ -60,6 +63,10 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-dir", default=None, help="orbax checkpoints of the training state (resumed if present)")
     p.add_argument("--ckpt-every", type=int, default=500)
     p.add_argument("--eval-every", type=int, default=500, help="held-out evaluation every N steps (0: at the end)")
+    p.add_argument("--patience", type=int, default=3, help="stop after this many evaluations without a better "
+                   "held-out accept length (early stopping; 0: run every step); the best evaluation's weights are kept")
+    p.add_argument("--time-limit", type=float, default=None, help="stop training (and keep the best evaluation) "
+                   "once the run has taken this many seconds")
     p.add_argument("--dtype", default=None, help="forward dtype bf16 or fp32 (default: bf16 on a GPU, fp32 on the CPU)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -75,28 +82,37 @@ def _check_args(args) -> None:
                           f"(needs >= k + 1 = {args.k + 1})")
     if args.lr <= 0 or args.warmup < 0 or args.weight_decay < 0 or args.clip <= 0 or args.eval_every < 0:
         raise ConfigError("--lr and --clip must be > 0; --warmup, --weight-decay and --eval-every >= 0")
+    if args.patience < 0 or args.max_per_source < 0 or (args.time_limit is not None and not args.time_limit > 0):
+        raise ConfigError("--patience and --max-per-source must be >= 0 and --time-limit > 0")
     if args.heldout_out and args.prompts:
         raise ConfigError("--heldout-out writes corpus prompts as text; it needs --corpus, not --prompts")
 
 
-def _prompts(args, cfg: TargetConfig) -> tuple[list, list, str]:
-    """(train, held-out) prompt ids, subsampled deterministically, and a description of the source."""
+def _prompts(args, cfg: TargetConfig) -> tuple[list, list, str, dict]:
+    """(train, held-out) prompt ids, subsampled deterministically, a description of where they come from and
+    {split: {source: prompts}}."""
     if args.prompts:
         rows, source = corpus.read_prompt_ids(args.prompts), args.prompts
     else:
         tokenizer = corpus.load_tokenizer_or_fail(args.model)
-        rows = corpus.cut_prompts(tokenizer, corpus.pydoc_topics(), args.prompt_len,
-                                  args.stride or max(1, args.prompt_len // 2))
-        source = f"pydoc_data.topics (prompt_len {args.prompt_len})"
+        names = ["pydoc"] if args.corpus == "pydoc" else list(corpus.SOURCES)
+        rows = corpus.corpus_rows(tokenizer, names, args.prompt_len, args.stride or max(1, args.prompt_len // 2),
+                                  args.max_per_source or None)
+        source = f"jaxspec.corpus {','.join(names)} (prompt_len {args.prompt_len})"
         if args.heldout_out:
             corpus.write_heldout_text(args.heldout_out, tokenizer, rows)
-    train_ids, held_ids = corpus.split_rows(rows)
+    train_rows, held_rows = corpus.split_rows(rows)
+    train_ids, held_ids = [r["prompt_ids"] for r in train_rows], [r["prompt_ids"] for r in held_rows]
+    train_src, held_src = [r.get("source") or "?" for r in train_rows], [r.get("source") or "?" for r in held_rows]
     if not train_ids or not held_ids:
         raise ConfigError(f"{source}: needs both training and held-out prompts "
                           f"(got {len(train_ids)} and {len(held_ids)})")
     rng = np.random.default_rng(args.seed)
-    train_ids = [train_ids[i] for i in sorted(rng.permutation(len(train_ids))[: args.num_prompts])]
-    held_ids = [held_ids[i] for i in sorted(rng.permutation(len(held_ids))[: args.num_heldout])]
+    train_pick = sorted(rng.permutation(len(train_ids))[: args.num_prompts])
+    held_pick = sorted(rng.permutation(len(held_ids))[: args.num_heldout])
+    counts = {"train": collections.Counter(train_src[i] for i in train_pick),
+              "heldout": collections.Counter(held_src[i] for i in held_pick)}
+    train_ids, held_ids = [train_ids[i] for i in train_pick], [held_ids[i] for i in held_pick]
     for ids in train_ids + held_ids:
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
@@ -104,10 +120,11 @@ def _prompts(args, cfg: TargetConfig) -> tuple[list, list, str]:
         if len(ids) + args.new_tokens > cfg.max_position_embeddings:
             raise ConfigError(f"a prompt of {len(ids)} tokens + {args.new_tokens} new tokens exceeds the context of "
                               f"{cfg.max_position_embeddings}")
-    return train_ids, held_ids, source
+    return train_ids, held_ids, source, {split: dict(sorted(c.items())) for split, c in counts.items()}
 
 
 def run(args) -> int:
+    started = time.monotonic()
     _check_args(args)
     dtype_name = args.dtype or ("fp32" if jax.default_backend() == "cpu" else "bf16")
     dtype = compute_dtype(dtype_name)
@@ -116,7 +133,7 @@ def run(args) -> int:
                                  num_heads=args.assistant_heads, intermediate_size=args.assistant_intermediate)
     acfg = assistant_config_from_dict(config)
     check_pair(cfg, acfg)
-    train_ids, held_ids, source = _prompts(args, cfg)
+    train_ids, held_ids, source, per_source = _prompts(args, cfg)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))  # noqa: E731
     log(f"target {args.model} ({cfg.model_type}); {len(train_ids)} train / {len(held_ids)} held-out prompts "
         f"from {source}; {jax.default_backend()} {dtype_name}")
@@ -145,9 +162,11 @@ def run(args) -> int:
     log(f"{len(kept_ids)} kept tokens cover {np.isin(targets, kept_ids).mean():.4f} of the training targets")
 
     t0 = time.perf_counter()
-    params, resumed = train(init_params(acfg, len(kept_ids), args.seed), ctx, train_data, ckpt_dir=args.ckpt_dir,
-                            ckpt_every=args.ckpt_every, eval_data=held_data, eval_every=args.eval_every,
-                            progress=not args.quiet)
+    deadline = None if args.time_limit is None else started + args.time_limit
+    params, resumed, stopping = train(init_params(acfg, len(kept_ids), args.seed), ctx, train_data,
+                                      ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every, eval_data=held_data,
+                                      eval_every=args.eval_every, patience=args.patience, deadline=deadline,
+                                      progress=not args.quiet)
     t_train = time.perf_counter() - t0
 
     aparams = export_params(params, kept_ids, cfg.vocab_size)
@@ -163,11 +182,14 @@ def run(args) -> int:
                       "layer_types": list(acfg.text.layer_types), "sliding_window": acfg.text.sliding_window},
         "vocab": {"size": cfg.vocab_size, "keep_vocab": args.keep_vocab, "kept": int(len(kept_ids)),
                   "kept_target_coverage": float(np.isin(targets, kept_ids).mean())},
-        "data": {"source": source, "train_prompts": len(train_ids), "heldout_prompts": len(held_ids),
+        "data": {"source": source, "per_source": per_source, "train_prompts": len(train_ids),
+                 "heldout_prompts": len(held_ids),
                  "new_tokens": args.new_tokens, "prompt_lengths": sorted({len(p) for p in train_ids + held_ids}),
                  "train_draft_targets": int(len(targets))},
         "train": dataclasses.asdict(tc) | {"master_dtype": "fp32", "resumed_from_step": resumed,
-                                           "saved_dtype": "bf16"},
+                                           "saved_dtype": "bf16", "eval_every": args.eval_every,
+                                           "patience": args.patience, "time_limit_s": args.time_limit},
+        "early_stopping": stopping,
         "final": {"train_sample": train_m, "heldout": held_m,
                   "expected_accept_length_heldout": held_m["expected_accept_length"]},
         "seconds": {"data": round(t_data, 1), "train": round(t_train, 1)},

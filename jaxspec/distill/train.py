@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -182,24 +183,37 @@ def _restore(mgr, state, ckpt_dir: str):
 
 
 def train(params, ctx: TrainContext, data, *, ckpt_dir: str | None = None, ckpt_every: int = 500, eval_data=None,
-          eval_every: int = 0, log_every: int = 10, progress: bool = True):
-    """Run ctx.tc.steps optimiser steps on `data`, saving the training state to ckpt_dir every ckpt_every steps and
-    resuming from its latest checkpoint. Returns (fp32 params, the step training resumed from)."""
+          eval_every: int = 0, patience: int = 0, deadline: float | None = None, log_every: int = 10,
+          progress: bool = True):
+    """Run up to ctx.tc.steps optimiser steps on `data`, saving the training state to ckpt_dir every ckpt_every
+    steps and resuming from its latest checkpoint.
+
+    With `eval_data`, the held-out set is evaluated every `eval_every` steps and at the end, and the params of the
+    best evaluation (highest `expected_accept_length`) are returned: early stopping. Training stops after
+    `patience` evaluations in a row without a new best (0: never) or at the first step past `deadline`
+    (`time.monotonic()`). Returns (fp32 params, the step training resumed from, the record of the stop:
+    evaluations, best step, reason)."""
     import orbax.checkpoint as ocp
 
     state = {"params": params, "opt_state": make_optimizer(ctx.tc).init(params), "step": jnp.zeros((), jnp.int32)}
+    best = {"params": jax.tree.map(jnp.copy, params), "metric": jnp.full((), -jnp.inf, jnp.float32),
+            "step": jnp.zeros((), jnp.int32), "bad": jnp.zeros((), jnp.int32)}
     loop = functools.partial(_train_steps, ctx=ctx, data=data, ckpt_every=ckpt_every, eval_data=eval_data,
-                             eval_every=eval_every, log_every=log_every, progress=progress)
+                             eval_every=eval_every, patience=patience, deadline=deadline, log_every=log_every,
+                             progress=progress)
     if not ckpt_dir:
-        return loop(state, None)
+        return loop(state, best, None)
     with ocp.CheckpointManager(os.path.abspath(ckpt_dir), options=ocp.CheckpointManagerOptions(
             max_to_keep=2, create=True, enable_async_checkpointing=False)) as mgr:
         if mgr.latest_step() is not None:
-            state = _restore(mgr, state, ckpt_dir)
-        return loop(state, mgr)
+            saved = _restore(mgr, {**state, "best": best}, ckpt_dir)
+            best = saved.pop("best")
+            state = saved
+        return loop(state, best, mgr)
 
 
-def _train_steps(state, mgr, *, ctx: TrainContext, data, ckpt_every, eval_data, eval_every, log_every, progress):
+def _train_steps(state, best, mgr, *, ctx: TrainContext, data, ckpt_every, eval_data, eval_every, patience,
+                 deadline, log_every, progress):
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
@@ -207,8 +221,12 @@ def _train_steps(state, mgr, *, ctx: TrainContext, data, ckpt_every, eval_data, 
     start = int(state["step"])
     n = data["tokens"].shape[0]
     B = min(tc.batch, n)
+    evals, reason = [], "steps"
+    first = start
+    if patience and eval_data is not None and int(best["bad"]) >= patience:  # a resumed run that had stopped
+        first, reason = tc.steps, f"{patience} evaluations without a better held-out accept length"
     with tqdm(total=tc.steps, initial=start, desc="distill", file=sys.stderr, disable=not progress) as bar:
-        for s in range(start, tc.steps):
+        for s in range(first, tc.steps):
             rows = np.random.default_rng([tc.seed, s]).choice(n, B, replace=False)
             state, sums = train_step(state, ctx, data, jnp.asarray(rows))
             bar.update(1)
@@ -217,11 +235,31 @@ def _train_steps(state, mgr, *, ctx: TrainContext, data, ckpt_every, eval_data, 
                 m = summarize(sums)
                 bar.set_postfix_str(f"loss {m['loss']:.3f} acc "
                                     + "/".join(f"{a:.2f}" for a in m["accuracy_per_step"]))
-            if mgr is not None and (done % ckpt_every == 0 or done == tc.steps):
-                mgr.save(done, args=ocp.args.StandardSave(state))
-            if eval_data is not None and eval_every and done % eval_every == 0 and done < tc.steps:
+            late = deadline is not None and time.monotonic() > deadline
+            stop = done == tc.steps or late
+            if eval_data is not None and (stop or (eval_every and done % eval_every == 0)):
                 m = evaluate(state["params"], ctx, eval_data)
+                evals.append({"step": done, "expected_accept_length": m["expected_accept_length"], "loss": m["loss"]})
+                if m["expected_accept_length"] > float(best["metric"]):
+                    best = {"params": jax.tree.map(jnp.copy, state["params"]),
+                            "metric": jnp.asarray(m["expected_accept_length"], jnp.float32),
+                            "step": jnp.asarray(done, jnp.int32), "bad": jnp.zeros((), jnp.int32)}
+                else:
+                    best = best | {"bad": best["bad"] + 1}
                 bar.write(f"step {done}: held-out loss {m['loss']:.3f}, accuracy "
                           + " ".join(f"{a:.3f}" for a in m["accuracy_per_step"])
-                          + f", accept length {m['expected_accept_length']:.2f}")
-    return state["params"], start
+                          + f", accept length {m['expected_accept_length']:.2f}"
+                          + f" (best {float(best['metric']):.2f} at step {int(best['step'])})")
+                if patience and int(best["bad"]) >= patience:
+                    stop, reason = True, f"{patience} evaluations without a better held-out accept length"
+            if late and stop and reason == "steps":
+                reason = "time limit"
+            if mgr is not None and (done % ckpt_every == 0 or stop):
+                mgr.save(done, args=ocp.args.StandardSave({**state, "best": best}))
+            if stop:
+                break
+    record = {"stopped_at_step": int(state["step"]), "reason": reason, "evaluations": evals}
+    if eval_data is None:
+        return state["params"], start, record
+    return best["params"], start, record | {"best_step": int(best["step"]),
+                                           "best_heldout_expected_accept_length": float(best["metric"])}

@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -203,6 +204,20 @@ def test_killed_conversion_leaves_nothing_behind(env, source, tmp_path):
     assert digests(os.path.join(root, MODEL)) == digests(source / "reference")
     packed.bundled_assistant_dir()
     assert entries(root) == [ASSISTANT, MODEL]
+
+
+def test_a_changed_bundle_is_unpacked_again(tmp_path, monkeypatch):
+    """A new drafter can keep the manifest's names and shapes (only the weights and distill.json change): the cached
+    folder follows the bundle's contents, not its manifest."""
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path / "cache"))
+    bundle = tmp_path / "bundle"
+    shutil.copytree(packed.BUNDLED, bundle)
+    monkeypatch.setattr(packed, "BUNDLED", str(bundle))
+    first = packed.bundled_assistant_dir()
+    report = json.loads((bundle / "distill.json").read_text())
+    (bundle / "distill.json").write_text(json.dumps(report | {"note": "retrained"}))
+    second = packed.bundled_assistant_dir()
+    assert second == first and json.loads(open(os.path.join(second, "distill.json")).read())["note"] == "retrained"
 
 
 def test_an_unusable_cache_folder_is_one_clear_error(env, tmp_path, monkeypatch):

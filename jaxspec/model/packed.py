@@ -172,8 +172,12 @@ def bundled_assistant_dir() -> str:
 
     from jaxspec.cache import cached_folder
 
-    with open(os.path.join(BUNDLED, MANIFEST), "rb") as f:
-        key = {"manifest_sha256": hashlib.sha256(f.read()).hexdigest()}
+    digest = hashlib.sha256()  # of every file: a new drafter can keep the manifest (same names and shapes)
+    for name in sorted(os.listdir(BUNDLED)):
+        digest.update(name.encode() + b"\0")
+        with open(os.path.join(BUNDLED, name), "rb") as f:
+            digest.update(f.read())
+    key = {"bundle_sha256": digest.hexdigest()}
     return cached_folder("gemma-3-270m-assistant", key, lambda tmp: unpack_assistant(BUNDLED, tmp),
                          "unpacking the bundled assistant")
 

@@ -153,8 +153,10 @@ from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_
     --prompts bench/prompts/270m-heldout.jsonl --bs 8 --requests 16 --new-tokens 128 --modes off,bucketed \
     --rounds-per-call "${RS8:-1,8}" --overlap off,on --json "$OUT/e2e-270m-bs8.json" >> "$OUT/270m.log" 2>&1
   grep "^e2e bs\|Error\|skipped" "$OUT/270m.log" | head -40 ;;
-s6-stage)  # a carried part of the GGUF is now on the machine (nothing else runs)
-  ls -la .gg*/part | awk '{print $5, $9}'; df -h /root | tail -1 ;;
+s6-stage)  # keep what this call carried (a part of the GGUF, .whl, .tok, .dist) in /root/carry: a later call's copy of the
+  # working tree removes the paths an earlier call carried
+  mkdir -p /root/carry; for d in .gg* .whl .tok .dist; do [ -e "$d" ] && cp -r "$d" "/root/carry/"; done
+  du -ab /root/carry; df -h /root | tail -1 ;;
 s6-tests)  # issue #13's GPU lane again: the round tests against transformers' greedy (Triton kernels, fp32)
   timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider -s ${TESTS:-tests/test_rounds.py} \
     > "$OUT/tests.txt" 2>&1
@@ -162,25 +164,29 @@ s6-tests)  # issue #13's GPU lane again: the round tests against transformers' g
 s6-distill)  # issue #17: assemble and convert the GGUF (tokenizer from .tok), distill a drafter on the mixed corpus
   # (.dist/mixed.jsonl.xz from `python -m jaxspec.corpus`) with early stopping, pack it under $OUT/packed
   cat "$OUT/gpu-s6-distill.txt" > "$OUT/distill.log"; rm -f "$OUT/gpu-s6-distill.txt"  # 8 files come back at most
+  bash bench/h200.sh s6-stage > /dev/null 2>&1; rm -f "$OUT/gpu-s6-stage.txt"; cd /root/carry
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl
   cat .gg?/part | python3 -c "import lzma, sys, shutil; shutil.copyfileobj(lzma.LZMAFile(sys.stdin.buffer), \
     open('/tmp/model.gguf', 'wb'))"
-  sha256sum /tmp/model.gguf >> "$OUT/distill.log"
+  sha256sum /tmp/model.gguf >> "$OUT/distill.log"; cd - > /dev/null
   PYTHONPATH=/tmp/site:. python3 -c "
 from jaxspec.model import gguf
 gguf._tokenizer = lambda meta: type('NoTokenizer', (), {'save_pretrained': lambda self, d: None})()
 gguf.convert_gguf('/tmp/model.gguf', '/root/gemma-3-270m')" >> "$OUT/distill.log" 2>&1
-  tar xJf .tok/tok.tar.xz -C /root/gemma-3-270m  # the tokenizer converted where transformers 5.24 is
-  xz -dc .dist/mixed.jsonl.xz > /root/mixed.jsonl
+  tar xJf /root/carry/.tok/tok.tar.xz -C /root/gemma-3-270m  # the tokenizer converted where transformers 5.24 is
+  xz -dc /root/carry/.dist/mixed.jsonl.xz > /root/mixed.jsonl
   timeout ${DISTILL_TIMEOUT:-480} python3 -m jaxspec.distill --model /root/gemma-3-270m --out /root/asst \
     --packed-out "$OUT/packed" --prompts /root/mixed.jsonl --quiet ${DISTILL_ARGS:---k 4 --num-prompts 8000 \
     --num-heldout 384 --gen-batch 512 --eval-every 500 --patience 3 --time-limit 400} >> "$OUT/distill.log" 2>&1
   grep -v "^ *$" "$OUT/distill.log" | tail -30 ;;
 s6-bench)  # issues #16 and #17 with the drafter s6-distill left in /root/asst: the server under 1, 8, 32 streaming
   # clients, then the engine at bs 1 (16 held-out prompts one at a time, 128 new tokens) for k = 1..6
+  # the image has no ASGI stack: carry .whl with fastapi 0.165.0, uvicorn 0.54.0, httpx and their wheels (pip download)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-serve \
+    $(ls .whl/*.whl /root/carry/.whl/*.whl 2>/dev/null | grep -v gguf) > "$OUT/serve.log" 2>&1
   python3 -c "from transformers import AutoTokenizer as T; print(T.from_pretrained('/root/gemma-3-270m'))" \
-    > "$OUT/serve.log" 2>&1 || rm -f /root/gemma-3-270m/tokenizer*  # this transformers cannot read it: ids in
-  timeout ${SERVE_TIMEOUT:-230} python3 -m jaxspec.bench serve --model /root/gemma-3-270m --assistant /root/asst \
+    >> "$OUT/serve.log" 2>&1 || rm -f /root/gemma-3-270m/tokenizer*  # this transformers cannot read it: ids in
+  PYTHONPATH=/tmp/site-serve:. timeout ${SERVE_TIMEOUT:-330} python3 -m jaxspec.bench serve --model /root/gemma-3-270m --assistant /root/asst \
     --server-args "--max-running-requests 32 ${SERVE_ARGS:-}" --clients 1,8,32 \
     --prompts bench/prompts/270m-heldout.jsonl --json "$OUT/serve-270m.json" >> "$OUT/serve.log" 2>&1
   timeout ${E2E_TIMEOUT:-330} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant /root/asst \

@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from typing import Callable
 
 from filelock import FileLock, Timeout
@@ -120,6 +121,7 @@ def _build_locked(root: str, name: str, key: dict, build: Callable[[str], None],
 # ---- JAX's persistent compilation cache -------------------------------------------------------------------------
 
 _hits = 0  # programs loaded from the persistent compilation cache in this process
+_hits_lock = threading.Lock()
 _listening = False
 
 
@@ -149,7 +151,8 @@ def enable_compile_cache() -> str:
 def _count_hits(event: str, **_) -> None:
     global _hits
     if event == "/jax/compilation_cache/cache_hits":
-        _hits += 1
+        with _hits_lock:  # programs compile side by side (`jaxspec.aot.compile_all`)
+            _hits += 1
 
 
 def compile_cache_hits() -> int:

@@ -19,17 +19,20 @@ from jaxspec.model.weights import load_assistant, load_target, random_assistant_
 # ---- against transformers' own greedy generation ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case,head,mode", [("e2b", "assistant", "bucketed"), ("moe", "assistant", "eager"),
-                                            ("dense31", "assistant", "bucketed"), ("gemma3", None, "off"),
-                                            ("mm", None, "off")])
-def test_greedy_equals_transformers_generate(case, head, mode):
+@pytest.mark.parametrize("case,head,mode,threads", [
+    ("e2b", "assistant", "bucketed", 2),  # the programs compiled side by side in two threads (`compile_all`)
+    ("moe", "assistant", "eager", None), ("dense31", "assistant", "bucketed", None), ("gemma3", None, "off", None),
+    ("mm", None, "off", None)])
+def test_greedy_equals_transformers_generate(case, head, mode, threads, monkeypatch):
+    if threads:
+        monkeypatch.setenv("JAXSPEC_COMPILE_THREADS", str(threads))
     cfg, params = load_target(golden_path(case, "target"), "fp32")
     acfg = aparams = None
     if head:
         acfg, aparams = load_assistant(golden_path(case, head), "fp32")
     ref = load_reference(case)
-    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, draft_mode=mode, buckets=(4,), max_running=4,
-                 page_size=4, max_context=64, prefill_chunk=8)
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, draft_mode=mode,
+                 buckets=(2, 4) if threads else (4,), max_running=4, page_size=4, max_context=64, prefill_chunk=8)
     prompts = [ref[f"greedy_prompt_{i}"][0].tolist() for i in range(4)]
     outs, _ = run(eng, prompts)
     for i, out in enumerate(outs):

@@ -7,6 +7,7 @@ changed (a request's allocation grows by a page every page_size positions); the 
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.aot import compile_ahead, matmul_precision
+from jaxspec.aot import compile_all, lower_ahead, matmul_precision
 from jaxspec.cache import compile_cache_hits
 from jaxspec.draft.bucketed import DRAFT_COMPILER_OPTIONS
 from jaxspec.engine.config import EngineConfig
@@ -43,12 +44,12 @@ class _CompileProgress:
         self.bar = tqdm(total=total, desc="compiling", unit="program", file=sys.stderr)
         self.total, self.cached, self.start = total, 0, time.perf_counter()
 
-    def update(self, from_cache: bool) -> None:
-        self.cached += from_cache
+    def update(self) -> None:
         self.bar.update(1)
 
-    def close(self) -> None:
+    def close(self, cached: int) -> None:
         self.bar.close()
+        self.cached = min(cached, self.total)
         seconds = time.perf_counter() - self.start
         if self.cached == self.total:
             line = f"loaded {self.total} programs from the compile cache in {seconds:.1f} s"
@@ -97,16 +98,14 @@ class Runner:
         bar = _CompileProgress(len(programs), f"prefill {buckets}, decode {buckets}, "
                                               f"{'sampled' if sample else 'greedy'}") if progress else None
         precision = matmul_precision(self.weights.target["embed"].dtype)
-        for key, (fn, args) in programs.items():
-            hits = compile_cache_hits()
-            self.executables[key] = compile_ahead(
-                fn, *args, donate_argnames=("kv", "state"),
-                compiler_options=DRAFT_COMPILER_OPTIONS,  # every program rounds where the model says, as eager does
-                precision=precision)
-            if bar:
-                bar.update(from_cache=compile_cache_hits() > hits)
+        hits = compile_cache_hits()
+        lowerings = {key: functools.partial(lower_ahead, fn, *args, donate_argnames=("kv", "state"),
+                                            compiler_options=DRAFT_COMPILER_OPTIONS,  # rounding where the model says
+                                            precision=precision)
+                     for key, (fn, args) in programs.items()}
+        self.executables.update(compile_all(lowerings, on_done=bar and (lambda key: bar.update())))
         if bar:
-            bar.close()
+            bar.close(cached=compile_cache_hits() - hits)
         self.compiled_variants.add(sample)
 
     def rebuild(self) -> None:

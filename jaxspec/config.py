@@ -23,6 +23,16 @@ class ConfigError(ValueError):
     """A config, checkpoint or argument that jaxspec cannot use; the CLI prints it as one line and exits 2."""
 
 
+def compile_threads_env() -> int | None:
+    """`$JAXSPEC_COMPILE_THREADS` (programs compiled side by side, `jaxspec.aot.compile_all`), None when unset."""
+    value = os.environ.get("JAXSPEC_COMPILE_THREADS")
+    if value is None:
+        return None
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ConfigError(f"JAXSPEC_COMPILE_THREADS must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
 def read_utf8(path: str, what: str = "file") -> str:
     """The text of the file at `path`; a missing file or one that is not UTF-8 is a ConfigError (saying where)."""
     if not os.path.isfile(path):

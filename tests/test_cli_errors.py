@@ -232,6 +232,18 @@ def test_every_case_is_checked(outcomes):
     assert sorted(outcomes) == sorted(CASE_NAMES)
 
 
+@pytest.mark.parametrize("value", ["0", "two", "-1", ""])
+def test_bad_compile_threads_is_one_line_before_anything_loads(value, monkeypatch, capsys, tmp_path):
+    """$JAXSPEC_COMPILE_THREADS is checked with the flags: one line, exit 2, and the output file is not created."""
+    from jaxspec.generate import main
+
+    monkeypatch.setenv("JAXSPEC_COMPILE_THREADS", value)
+    out = tmp_path / "out.jsonl"
+    assert main(["--model", golden_path("e2b", "target"), "--prompt", "x", "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: JAXSPEC_COMPILE_THREADS must be a whole number >= 1, got {value!r}" and not out.exists()
+
+
 def test_engine_validate_names_the_request():
     """The engine API's own check (the server's requests do not pass the CLI's flag checks)."""
     from jaxspec.config import ConfigError

@@ -181,7 +181,9 @@ gguf.convert_gguf('/tmp/model.gguf', '/root/gemma-3-270m')" >> "$OUT/distill.log
   grep -v "^ *$" "$OUT/distill.log" | tail -30 ;;
 s6-bench)  # issues #16 and #17 with the drafter s6-distill left in /root/asst: the server under 1, 8, 32 streaming
   # clients, then the engine at bs 1 (16 held-out prompts one at a time, 128 new tokens) for k = 1..6
-  # the image has no ASGI stack: carry .whl with fastapi 0.165.0, uvicorn 0.54.0, httpx and their wheels (pip download)
+  # the image has no ASGI stack: carry .whl from `python3 -m pip download --only-binary=:all: --python-version 3.12
+  # --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl fastapi==0.165.0
+  # uvicorn==0.54.0 httpx` (with their dependencies: 3.9 MB)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-serve \
     $(ls .whl/*.whl /root/carry/.whl/*.whl 2>/dev/null | grep -v gguf) > "$OUT/serve.log" 2>&1
   python3 -c "from transformers import AutoTokenizer as T; print(T.from_pretrained('/root/gemma-3-270m'))" \

@@ -45,10 +45,11 @@ def _teacher(params, cfg: TargetConfig, tokens, types: tuple[str, ...]):
 
 
 def padded_batches(n: int, batch: int):
-    """(rows, padded rows) chunks of range(n); the last chunk is padded with row 0 so every call has one shape."""
+    """(rows, padded rows) chunks of range(n), each padded with row 0 to `batch` rows: every call has one shape, also
+    for a set smaller than a batch (the held-out set then reuses the training set's compiled programs)."""
     for s in range(0, n, batch):
         rows = np.arange(s, min(n, s + batch))
-        yield rows, np.concatenate([rows, np.zeros(min(batch, n) - len(rows), np.int64)])
+        yield rows, np.concatenate([rows, np.zeros(batch - len(rows), np.int64)])
 
 
 def build_dataset(params, cfg: TargetConfig, prompts: list[list[int]], new_tokens: int, types, batch: int) -> dict:

@@ -61,7 +61,8 @@ def test_goals_select_by_subcommand_model_settings_and_row(tmp_path):
            device="cpu", preset="E4B", prompt_len=1024)
     small = result(d, "e2e-270m.json", "e2e", "2026-11-30T10:00:00+00:00", [
         {"bs": 1, "mode": "off", "decode_tokens_per_s": 400.0},
-        {"bs": 1, "mode": "bucketed", "decode_tokens_per_s": 1000.0, "mean_accept_length": 3.0},
+        {"bs": 1, "mode": "bucketed", "k": 3, "decode_tokens_per_s": 1000.0, "mean_accept_length": 3.0},
+        {"bs": 1, "mode": "bucketed", "k": 5, "decode_tokens_per_s": 900.0, "mean_accept_length": 3.5},
         {"bs": 8, "mode": "off", "decode_tokens_per_s": 10.0}], preset=None, model="gemma-3-270m-q4_k_m")
     propose = result(d, "propose.json", "propose", "2026-11-30T10:00:00+00:00", [
         {"ctx": 4096, "bs": 1, "bucketed_us": 150.0}, {"ctx": 4096, "bs": 64, "bucketed_us": 4000.0},
@@ -88,7 +89,7 @@ def test_goals_select_by_subcommand_model_settings_and_row(tmp_path):
                 ("e2e_270m_bs1_spec_over_plain", 17): (2.5, True, small)}
     assert {key: (e["value"], e["met"], e["source"]) for key, e in g.items()} == expected
     assert g["e2e_e4b_bs1_1k_plain_tok_s", 13]["row"] == {"bs": 1, "mode": "off", "rounds_per_call": 2}
-    assert g["e2e_270m_bs1_spec_over_plain", 17]["row"] == [{"bs": 1, "mode": "bucketed"}, {"bs": 1, "mode": "off"}]
+    assert g["e2e_270m_bs1_spec_over_plain", 17]["row"] == [{"bs": 1, "mode": "bucketed", "k": 3}, {"bs": 1, "mode": "off"}]
     assert g["decode_e4b_bs1_4k_over_bound", 14]["command"] == "python3 -m jaxspec.bench decode"
 
 
@@ -153,7 +154,7 @@ def test_goals_over_the_repository_results(tmp_path):
             "verify_e4b_bs1_4k_over_bound": ("verify", {"bs": 1, "ctx": 4096}, "step/bound", None),
             "verify_e4b_bs16_4k_over_bound": ("verify", {"bs": 16, "ctx": 4096}, "step/bound", None),
             "decode_e4b_bs1_4k_over_bound": ("decode", {"bs": 1, "ctx": 4096, "cache": "paged"}, "step/bound", None),
-            "e2e_270m_bs1_accept_length": ("e2e", {"bs": 1, "mode": "bucketed"}, "mean_accept_length", None)}
+            "e2e_270m_bs1_accept_length": ("e2e", {"bs": 1, "mode": "bucketed", "k": 3}, "mean_accept_length", None)}
     for (name, issue), g in goals(tmp_path, RESULTS).items():
         if g["value"] is None:
             assert (g["met"], g["source"], g["command"]) == (None, None, None)

@@ -17,9 +17,15 @@ import jax
 import jax.numpy as jnp
 
 
-def abstract(tree):
-    """The shapes and dtypes of a pytree of arrays (ShapeDtypeStructs pass through)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+def abstract(tree, sharding=None):
+    """The shapes, dtypes and shardings of a pytree of arrays (ShapeDtypeStructs pass through). `sharding`: for
+    leaves that have none, e.g. replicated over a mesh (None: jax places them by default)."""
+    def leaf(x):
+        own = x.sharding if isinstance(x, jax.Array) else getattr(x, "sharding", None)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=own or sharding) if (own or sharding) \
+            else jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    return jax.tree.map(leaf, tree)
 
 
 def matmul_precision(dtype):
@@ -29,15 +35,17 @@ def matmul_precision(dtype):
 
 
 def lower_ahead(fn, *args, donate_argnames: tuple[str, ...] = (), compiler_options: dict | None = None,
-                precision: str | None = None):
+                precision: str | None = None, in_sharding=None, out_shardings=None):
     """Trace and lower fn for the shapes of `args` (arrays or ShapeDtypeStructs; pytrees of them): a `Lowered`.
 
     Donated arguments are named, never counted: `donate_argnames=("kv", "state")`. precision: the default matmul
-    precision while tracing (`matmul_precision`).
+    precision while tracing (`matmul_precision`). in_sharding: for inputs without a sharding of their own;
+    out_shardings: jit's (on a mesh, so the donated state comes back as it went in).
     """
-    jitted = jax.jit(fn, donate_argnames=donate_argnames, compiler_options=compiler_options)
+    options = {} if out_shardings is None else {"out_shardings": out_shardings}
+    jitted = jax.jit(fn, donate_argnames=donate_argnames, compiler_options=compiler_options, **options)
     with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
-        return jitted.lower(*abstract(args))
+        return jitted.lower(*abstract(args, in_sharding))
 
 
 def compile_ahead(fn, *args, **options):

@@ -40,6 +40,8 @@ def add_engine_args(p) -> None:
                         "the device computes); --draft-mode eager runs without it")
     p.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
                    help="Pallas kernels (auto: on a GPU; on a CPU they run in interpret mode)")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                   help="split the target over this many devices (jax.sharding; the Pallas kernels stay off)")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not keep or reuse compiled programs in the jaxspec cache (default: <cache>/xla)")
 
@@ -126,11 +128,15 @@ def check_engine_args(args) -> None:
     for name, value, lo in (("-k/--num-speculative-tokens", args.num_speculative_tokens, 1 if speculating else 0),
                             ("--page-size", args.page_size, 1), ("--prefill-chunk", args.prefill_chunk, 1),
                             ("--rounds-per-call", args.rounds_per_call, 1),
+                            ("--tensor-parallel-size", args.tensor_parallel_size, 1),
                             ("--max-running-requests", args.max_running_requests, 1),
                             ("--kv-pages", args.kv_pages, 2),  # the dummy page and one page of a request
                             ("--max-context", args.max_context, 1)):
         if value is not None and value < lo:
             raise ConfigError(f"{name} must be >= {lo}, got {value}")
+    if args.tensor_parallel_size > 1 and args.kernels == "on":
+        raise ConfigError("--kernels on does not run split over devices yet: use --kernels auto or off with "
+                          "--tensor-parallel-size > 1")
     buckets(args.draft_bs)
 
 
@@ -160,4 +166,5 @@ def build_engine(args, pair: Pair):
                   k=args.num_speculative_tokens, draft_mode=draft_mode, buckets=buckets(args.draft_bs),
                   max_running=args.max_running_requests, page_size=args.page_size, num_pages=args.kv_pages,
                   max_context=args.max_context, prefill_chunk=args.prefill_chunk, use_kernels=kernels,
-                  rounds_per_call=args.rounds_per_call, overlap=args.overlap == "on")
+                  rounds_per_call=args.rounds_per_call, overlap=args.overlap == "on",
+                  tensor_parallel_size=args.tensor_parallel_size)

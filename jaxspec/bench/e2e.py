@@ -56,6 +56,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", help="with --model: a .jsonl of prompt_ids; request i takes prompt i (cycled)")
     p.add_argument("--stop-at-eos", action="store_true", help="stop requests at EOS (default: exactly --new-tokens)")
     p.add_argument("--dtype", default="bf16", help="bf16 (default) or fp32 (e.g. for CPU figures)")
+    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel devices (jaxspec.parallel)")
 
 
 def e2e_pair(args):
@@ -90,7 +91,8 @@ def make_engine(pair: Pair, bs: int, mode: str, k: int, args, **options) -> Engi
     (rounds_per_call, overlap) when given on the command line, else the engine's defaults."""
     return Engine(pair.cfg, pair.params, acfg=pair.acfg, aparams=pair.aparams, k=k, draft_mode=mode,
                   buckets=(bs,), max_running=bs, page_size=args.page_size,
-                  max_context=args.prompt_len + args.new_tokens + k + 2, prefill_chunk=args.chunk, **options)
+                  max_context=args.prompt_len + args.new_tokens + k + 2, prefill_chunk=args.chunk,
+                  tensor_parallel_size=args.tp, **options)
 
 
 def trace_figures(profile_dir: str) -> dict:

@@ -47,9 +47,9 @@ class Goal:
     over: dict | None = None
 
 
-E4B_1K = {"subcommand": "e2e", "preset": "E4B", "prompt_len": 1024}
+E4B_1K = {"subcommand": "e2e", "preset": "E4B", "prompt_len": 1024, "tp": 1}  # one device (older files: --tp's default)
 E4B_4K = {"preset": "E4B", "ctx": 4096}
-PAIR_270M = {"subcommand": "e2e", "model": is_270m, "bs": 1}
+PAIR_270M = {"subcommand": "e2e", "model": is_270m, "bs": 1, "tp": 1}
 
 GOALS = (
     Goal("e2e_e4b_bs1_1k_plain_tok_s", 190, "higher", 13, {**E4B_1K, "bs": 1, "mode": "off"}, "decode_tokens_per_s"),

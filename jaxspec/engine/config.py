@@ -26,13 +26,14 @@ class EngineConfig:
     rounds_per_call: int = 1  # speculative rounds per decode call (a device loop with an early exit)
     overlap: bool = True  # launch the next decode call before reading the last one's results
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's
+    tensor_parallel_size: int = 1  # devices the target is split over (`jaxspec.parallel`)
 
     def __post_init__(self):
         if self.draft_mode not in DRAFT_MODES:
             raise ConfigError(f"unknown draft mode {self.draft_mode!r} (expected one of {', '.join(DRAFT_MODES)})")
         if self.draft_mode != "off" and self.k < 1:
             raise ConfigError(f"num_speculative_tokens must be >= 1, got {self.k}")
-        for name in ("max_running", "page_size", "prefill_chunk", "rounds_per_call"):
+        for name in ("max_running", "page_size", "prefill_chunk", "rounds_per_call", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("num_pages", "num_swa_pages", "max_context"):
@@ -47,6 +48,11 @@ class EngineConfig:
         object.__setattr__(self, "buckets", buckets)
         if self.draft_mode == "off":
             object.__setattr__(self, "k", 0)
+        if self.tensor_parallel_size > 1 and self.use_kernels:
+            raise ConfigError("the Pallas kernels do not run split over devices yet: use --kernels off (or auto) "
+                              "with --tensor-parallel-size > 1")
+        if self.tensor_parallel_size > 1 and self.draft_mode == "eager":
+            raise ConfigError("--draft-mode eager runs on one device: use bucketed with --tensor-parallel-size > 1")
         if self.draft_mode == "eager":  # the reference drafts on the host from the host's view of every request
             object.__setattr__(self, "rounds_per_call", 1)
             object.__setattr__(self, "overlap", False)

@@ -57,7 +57,16 @@ class Engine:
                 raise ConfigError(f"assistant sliding_window {acfg.text.sliding_window} exceeds the target's "
                                   f"{cfg.sliding_window}: the SWA pool keeps only the target's window")
         self.cfg, self.config, self.tokenizer, self.k = cfg, c, tokenizer, c.k
-        self.use_kernels = jax.default_backend() != "cpu" if c.use_kernels is None else c.use_kernels
+        self.mesh = None
+        if c.tensor_parallel_size > 1:  # the target split over devices, the assistant replicated (jaxspec.parallel)
+            from jaxspec import parallel
+
+            self.mesh = parallel.make_mesh(c.tensor_parallel_size)
+            params = parallel.place(params, parallel.target_shardings(params, cfg, self.mesh))
+            if aparams is not None:
+                aparams = parallel.place(aparams, parallel.assistant_shardings(aparams, acfg, self.mesh))
+        default_kernels = jax.default_backend() != "cpu" and self.mesh is None
+        self.use_kernels = default_kernels if c.use_kernels is None else c.use_kernels
         self.cache = self._make_cache(params["embed"].dtype)
         self.max_context = self.cache.spec.max_context
         eos = tuple(cfg.eos_token_ids if c.eos_token_ids is None else c.eos_token_ids)
@@ -91,7 +100,8 @@ class Engine:
         try:
             return PagedKVCache(cfg, page_size=c.page_size, num_full_pages=num_pages,
                                 num_swa_pages=c.num_swa_pages or c.max_running * swa_bound + 1,
-                                max_context=max_context, max_step_tokens=c.step_tokens, dtype=dtype)
+                                max_context=max_context, max_step_tokens=c.step_tokens, dtype=dtype,
+                                mesh=self.mesh)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -64,6 +64,8 @@ class Runner:
         self.config, self.programs, self.weights, self.cache = config, programs, weights, cache
         cfg = programs.cfg
         self.state = DecodeState.empty(config.max_running + 1, cfg.hidden_size, weights.target["embed"].dtype)
+        if cache.mesh is not None:
+            self.state = jax.device_put(self.state, cache.upload_sharding)
         self.executables: dict[tuple, object] = {}
         self.compiled_variants: set[bool] = set()
         self._uploads: dict[tuple, tuple[np.ndarray, jax.Array]] = {}
@@ -99,9 +101,14 @@ class Runner:
                                               f"{'sampled' if sample else 'greedy'}") if progress else None
         precision = matmul_precision(self.weights.target["embed"].dtype)
         hits = compile_cache_hits()
+        split = {}
+        if self.cache.mesh is not None:  # the donated K/V and state come back sharded as they went in
+            rep = self.cache.upload_sharding
+            split = {"in_sharding": rep, "out_shardings": (jax.tree.map(lambda a: a.sharding, self.cache.kv),
+                                                            jax.tree.map(lambda a: a.sharding, self.state), rep)}
         lowerings = {key: functools.partial(lower_ahead, fn, *args, donate_argnames=("kv", "state"),
                                             compiler_options=DRAFT_COMPILER_OPTIONS,  # rounding where the model says
-                                            precision=precision)
+                                            precision=precision, **split)
                      for key, (fn, args) in programs.items()}
         self.executables.update(compile_all(lowerings, on_done=bar and (lambda key: bar.update())))
         if bar:
@@ -126,7 +133,7 @@ class Runner:
         if hit is None or not (np.array_equal(hit[0], table) and np.array_equal(hit[1], slot)):
             if len(self._uploads) >= UPLOAD_CACHE:
                 self._uploads.pop(next(iter(self._uploads)))
-            hit = self._uploads[key] = (table, slot, *jax.device_put((slot, table)))
+            hit = self._uploads[key] = (table, slot, *jax.device_put((slot, table), self.cache.upload_sharding))
         return hit[2], PageTables(page_table=hit[3], swa_of_full=self.cache.swa_of_full)
 
     def prefill(self, rows: list[tuple[Request, int, int]], bucket: int) -> np.ndarray:
@@ -147,7 +154,8 @@ class Runner:
             last[b], ignore_eos[b] = e == r.prefill_end, r.params.ignore_eos
         requests = [r for r, _, _ in rows]
         batch = jax.device_put(PrefillBatch(tokens=tokens, last=last, ignore_eos=ignore_eos,
-                                            sampling=SamplingMetadata.build([r.params for r in requests], B), **cols))
+                                            sampling=SamplingMetadata.build([r.params for r in requests], B), **cols),
+                               self.cache.upload_sharding)
         sample = any(r.params.temperature > 0 for r in requests)
         _, pages = self.inputs(requests + [None] * (B - len(rows)))
         self.cache.kv, self.state, token = self.executables[("prefill", B, sample)](

@@ -46,11 +46,20 @@ class PagedKVCache:
     """Owns the host allocator (`pool`), the device K/V (`kv`) and the device copy of the full→SWA table."""
 
     def __init__(self, cfg: TargetConfig, *, page_size: int = 16, num_full_pages: int, num_swa_pages: int,
-                 max_context: int, max_step_tokens: int, dtype=jnp.float32):
+                 max_context: int, max_step_tokens: int, dtype=jnp.float32, mesh=None):
+        """mesh: split the K/V pools by KV head over it (`jaxspec.parallel`); uploads are replicated on it."""
         self.cfg = cfg
         self.dtype = dtype
         self.max_step_tokens = max_step_tokens
+        self.mesh = mesh
         self._build(page_size, num_full_pages, num_swa_pages, max_context)
+
+    @property
+    def upload_sharding(self):
+        """Where host arrays go: the default device, or replicated over the mesh."""
+        from jaxspec.parallel import replicated
+
+        return None if self.mesh is None else replicated(self.mesh)
 
     def _build(self, page_size, num_full_pages, num_swa_pages, max_context):
         self.spec = CacheSpec(page_size=page_size, num_full_pages=num_full_pages, num_swa_pages=num_swa_pages,
@@ -59,6 +68,10 @@ class PagedKVCache:
                              max_pages_per_request=self.spec.max_pages_per_request,
                              swa_keep=self.cfg.sliding_window + 1, max_step_tokens=self.max_step_tokens)
         self.kv = init_kv(self.cfg, self.spec, self.dtype)
+        if self.mesh is not None:
+            from jaxspec.parallel import kv_shardings
+
+            self.kv = jax.device_put(self.kv, kv_shardings(self.kv, self.mesh))
         self._swa_version = -1
         self._swa_device = None
 
@@ -66,7 +79,7 @@ class PagedKVCache:
     def swa_of_full(self):
         """Device copy of the pool's full→SWA table, re-uploaded only when the pool changed it."""
         if self._swa_version != self.pool.version:
-            self._swa_device = jax.device_put(self.pool.swa_of_full)  # a transfer, never a trace
+            self._swa_device = jax.device_put(self.pool.swa_of_full, self.upload_sharding)  # a transfer, not a trace
             self._swa_version = self.pool.version
         return self._swa_device
 

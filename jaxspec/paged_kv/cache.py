@@ -52,14 +52,13 @@ class PagedKVCache:
         self.dtype = dtype
         self.max_step_tokens = max_step_tokens
         self.mesh = mesh
+        # where host arrays go: the default device, or replicated over the mesh (made once, not per upload)
+        self.upload_sharding = None
+        if mesh is not None:
+            from jaxspec.parallel import replicated
+
+            self.upload_sharding = replicated(mesh)
         self._build(page_size, num_full_pages, num_swa_pages, max_context)
-
-    @property
-    def upload_sharding(self):
-        """Where host arrays go: the default device, or replicated over the mesh."""
-        from jaxspec.parallel import replicated
-
-        return None if self.mesh is None else replicated(self.mesh)
 
     def _build(self, page_size, num_full_pages, num_swa_pages, max_context):
         self.spec = CacheSpec(page_size=page_size, num_full_pages=num_full_pages, num_swa_pages=num_swa_pages,

@@ -111,11 +111,14 @@ def one_line(docs: dict[str, str]) -> dict[str, str]:
     return {n: " ".join(t.split()) for n, t in docs.items()}
 
 
+def check_sources(names) -> None:
+    if not names or set(names) - set(SOURCES):
+        raise ConfigError(f"--sources: expected names among {', '.join(SOURCES)}, got {','.join(names) or 'none'}")
+
+
 def corpus_sources(names) -> dict[str, dict[str, str]]:
     """{source: {document: text}} of the chosen `SOURCES`."""
-    unknown = sorted(set(names) - set(SOURCES))
-    if unknown or not names:
-        raise ConfigError(f"--sources: expected names among {', '.join(SOURCES)}, got {','.join(names) or 'none'}")
+    check_sources(names)
     want = set(names)
     files = stdlib_files() if want & {"stdlib", "docstrings", "oneline"} else {}
     docs = {"pydoc": pydoc_topics() if want & {"pydoc", "oneline"} else {},
@@ -288,8 +291,10 @@ def main(argv=None) -> int:
 def _run(args) -> int:
     if args.max_per_source < 0:
         raise ConfigError(f"--max-per-source must be >= 0, got {args.max_per_source}")
+    names = [n for n in args.sources.split(",") if n]
+    check_sources(names)  # before the tokenizer loads
     tokenizer = load_tokenizer_or_fail(args.model)
-    rows = corpus_rows(tokenizer, [n for n in args.sources.split(",") if n], args.prompt_len,
+    rows = corpus_rows(tokenizer, names, args.prompt_len,
                        args.stride or max(1, args.prompt_len // 2), args.max_per_source or None)
     write_prompt_ids(args.out, rows)
     held = write_heldout_text(args.heldout_out, tokenizer, rows) if args.heldout_out else 0

@@ -312,6 +312,8 @@ def test_cli_end_to_end_and_resume(tiny, trained, tmp_path, capsys):
 @pytest.mark.parametrize("bad,message", [
     (["--keep-vocab", "0"], "--keep-vocab must be >= 1"),
     (["--new-tokens", "3"], "needs >= k + 1"),
+    (["--patience", "-1"], "--patience and --max-per-source must be >= 0 and --time-limit > 0"),
+    (["--time-limit", "0"], "--patience and --max-per-source must be >= 0 and --time-limit > 0"),
     ("not json", "not JSON"),
     ('{"prompt_ids": [1, 99999]}', "outside the vocabulary"),
 ])
@@ -398,3 +400,15 @@ def test_corpus_rows_carry_their_source_and_split(tmp_path):
     corpus.write_prompt_ids(path, rows)
     train, heldout = corpus.split_rows(corpus.read_prompt_ids(path))
     assert len(train) + len(heldout) == len(rows) and all(r["source"] for r in train + heldout)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sources", "pydoc,nope"], "--sources: expected names among pydoc, stdlib"),
+    (["--sources", ","], "--sources: expected names among"),
+    (["--max-per-source", "-1"], "--max-per-source must be >= 0, got -1"),
+])
+def test_corpus_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    out = tmp_path / "p.jsonl"
+    assert corpus.main(["--model", TARGET, "--out", str(out), *argv]) == 2  # checked before the tokenizer loads
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and "\n" not in err and not out.exists()

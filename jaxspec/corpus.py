@@ -157,7 +157,7 @@ def split_documents(docs: dict[str, dict[str, str]]) -> dict[str, tuple[set[str]
 def repeats(held: set[str], docs: dict[str, str], passage: int = 200, every: int = 1000) -> set[str]:
     """The documents not in `held` that contain one of their passages (`passage` characters every `every`,
     whitespace runs as one space) or repeat an earlier document (in name order) exactly."""
-    flat = {n: " ".join(t.split()) for n, t in docs.items()}
+    flat = one_line(docs)
     pieces = [flat[n][i: i + passage] for n in sorted(held) for i in range(0, max(1, len(flat[n]) - passage), every)]
     pieces = [p for p in pieces if len(p) == passage]
     first: dict[str, str] = {}

@@ -251,8 +251,10 @@ def test_comparison_catches_a_one_key_window(pair, monkeypatch):
 
 def test_comparison_catches_a_zeroed_pending_token(pair, monkeypatch):
     def zero_pending(m):
-        real = bucketed_mod.propose
-        m.setattr(bucketed_mod, "propose", lambda ap, ac, emb, pending, *a, **kw: real(ap, ac, emb, pending * 0, *a, **kw))
+        for name in ("propose", "propose_fused"):  # the jnp step and the fused kernels' step
+            real = getattr(bucketed_mod, name)
+            m.setattr(bucketed_mod, name,
+                      lambda ap, ac, emb, pending, *a, real=real, **kw: real(ap, ac, emb, pending * 0, *a, **kw))
     assert _mismatch_rate(pair, monkeypatch, zero_pending) > 0.3
 
 
@@ -364,3 +366,30 @@ def test_top_k_ids_equals_lax_top_k(shape):
             xs, kth = np.asarray(x[0]), np.asarray(x[0])[want[0, -1]]
             assert (xs == kth).sum() > (xs[want[0]] == kth).sum()
     assert (shape[0] * shape[1] ** 2 > assistant_mod.RANK_TOP_K_MAX) == (shape[0] == 9)  # both paths exercised
+
+
+def test_compact_head_gives_the_full_heads_argmax():
+    """A plain head with mostly zero rows (a distilled drafter's) scored on its nonzero rows and one zero row: the same
+    ids as argmax over the whole vocabulary, where the best kept logit is positive, negative (a zero row wins: the
+    first one) or exactly 0 (a tie: the lowest id). A compaction that dropped the zero row fails it."""
+    acfg, aparams = load_assistant(golden_path("e2b", "assistant_plain"), "fp32")
+    rng = np.random.default_rng(3)
+    V, Ha = aparams["embed"].shape
+    embed = np.asarray(aparams["embed"]).copy()
+    zero = rng.random(V) < 0.6
+    zero[:5] = [False, True, False, True, True]  # the first zero row is id 1
+    embed[zero] = 0
+    embed[~zero, 0] = 5 + np.abs(embed[~zero, 0])  # every kept row leans the same way along dimension 0
+    hn = rng.normal(size=(48, Ha)).astype(np.float32)  # rows 0-15: a kept row wins
+    hn[16:32] = 0.01 * hn[16:32]
+    hn[16:32, 0] = -1.0  # every kept logit negative: the first zero row (id 1) wins
+    hn[32:] = 0  # every logit 0: the lowest id (0, kept) wins
+    hn = jnp.asarray(hn)
+    compact = assistant_mod.compact_head({**aparams, "embed": jnp.asarray(embed)}, acfg)
+    assert compact["head_rows"].shape[0] == int((~zero).sum()) + 1
+    full = np.asarray(jnp.argmax(hn @ jnp.asarray(embed).T, axis=-1))
+    got = np.asarray(assistant_mod.draft_token(compact, acfg, hn))
+    np.testing.assert_array_equal(got, full)
+    assert {int(t) for t in got} & {1} and not np.all(zero[got]), "both a zero row and a kept row must win somewhere"
+    dropped = {**compact, "head_rows": compact["head_rows"][:-1], "head_ids": compact["head_ids"][:-1]}
+    assert np.any(np.asarray(assistant_mod.draft_token(dropped, acfg, hn)) != full)

@@ -1,7 +1,8 @@
-"""`bench propose`: the drafter's propose latency, bucketed (command buffers on and off) vs eager.
+"""`bench propose`: the drafter's propose latency, bucketed (fused kernels; command buffers on and off), the split
+step (jnp with the attention kernel, the path before the fused kernels) and eager, side by side in one run.
 
 The bucketed drafter runs one compiled program per batch bucket; the eager drafter runs the same model function op by
-op (the reference path). Both read one paged cache of random K/V at cached_len = ctx.
+op (the reference path). All read one paged cache of random K/V at cached_len = ctx.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bs", type=sizes, default=[1, 4, 16, 64], help="batch sizes, each a compiled bucket")
     p.add_argument("--ctx", type=sizes, default=[4096, 32768], help="cached_len of every request")
     p.add_argument("--chunk", type=positive, default=256, help="prefill chunk: the pool's max_step_tokens")
+    p.add_argument("--variants", default="bucketed,split,eager",
+                   help="drafters to time: bucketed (the fused kernels), split (the jnp step with the attention "
+                   "kernel, the path before them), no_cmd_buffer (bucketed without command buffers), eager; the "
+                   "first one is traced with --profile-dir")
     p.add_argument("--eager-iters", type=positive, help="timed calls of the eager drafter, ~0.3 s each on the H200 "
                    "(default: --iters, at most 50)")
 
@@ -50,11 +55,15 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
     note = memory_note(cache.kv)
     print(f"ctx {ctx}: {num_requests} requests; {note}")
     kw = dict(buckets=args.bs, seed_slots=num_requests + 1)
-    drafters = {"bucketed": BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw)}
-    if jax.default_backend() == "gpu":
-        drafters["no_cmd_buffer"] = BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw,
-                                                    compiler_options=NO_COMMAND_BUFFERS)
-    drafters["eager"] = EagerDrafter(aparams, acfg, target_embed, cfg, args.k)
+    variants = args.variants.split(",")
+    make = {"bucketed": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw),
+            "split": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, fused=False, **kw),
+            "no_cmd_buffer": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw,
+                                                     compiler_options=NO_COMMAND_BUFFERS),
+            "eager": lambda: EagerDrafter(aparams, acfg, target_embed, cfg, args.k)}
+    if jax.default_backend() != "gpu" and "no_cmd_buffer" in variants:
+        variants.remove("no_cmd_buffer")
+    drafters = {name: make[name]() for name in variants}
     for drafter in drafters.values():
         drafter.attach(cache)
     seed_table = jax.random.normal(jax.random.PRNGKey(args.seed + 2), (num_requests + 1, cfg.hidden_size), DTYPE)
@@ -64,7 +73,7 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
         calls = {name: (lambda i, d=d: d.propose(*sets[i])) if name == "eager"
                  else (lambda i, d=d, bs=bs: d.propose_bucket(bs, *sets[i]))
                  for name, d in drafters.items()}
-        row = {"ctx": ctx, "bs": bs, "k": args.k, "no_cmd_buffer_us": None, "memory": note}
+        row = {"ctx": ctx, "bs": bs, "k": args.k, **{f"{v}_us": None for v in make}, "memory": note}
         for name, call in calls.items():
             row[f"{name}_us"] = median_us(call, eager_iters if name == "eager" else args.iters)
             if name == "bucketed":
@@ -72,13 +81,16 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
                 fixed = jax.device_put(sets[0])  # one input set already on the device: the same buffers every call
                 row["bucketed_device_inputs_us"] = median_us(
                     lambda i, d=drafters["bucketed"], bs=bs: d.propose_bucket(bs, *fixed), args.iters, num_sets=1)
-                profile_calls(args, call, f"propose bs {bs} ctx {ctx}")
-        same = np.asarray(calls["bucketed"](0)[0]) == calls["eager"](0)[0]
-        row["same_drafts"] = float(np.mean(np.all(same, axis=1)))
-        row["eager/bucketed"] = row["eager_us"] / row["bucketed_us"]
+            if name == variants[0]:  # the first variant listed is the one traced
+                profile_calls(args, call, f"propose {name} bs {bs} ctx {ctx}")
+        if "eager" in calls and "bucketed" in calls:
+            same = np.asarray(calls["bucketed"](0)[0]) == calls["eager"](0)[0]
+            row["same_drafts"] = float(np.mean(np.all(same, axis=1)))
+        row["eager/bucketed"] = ratio(row["eager_us"], row["bucketed_us"])
+        row["split/bucketed"] = ratio(row["split_us"], row["bucketed_us"])
         row["no_cmd/bucketed"] = ratio(row["no_cmd_buffer_us"], row["bucketed_us"])
         rows.append(row)
-        print(f"propose ctx {ctx} bs {bs}: bucketed {row['bucketed_us']:.1f} µs, eager {row['eager_us']:.1f} µs")
+        print(f"propose ctx {ctx} bs {bs}: " + ", ".join(f"{n} {row[n + '_us']:.1f} µs" for n in drafters))
     return rows
 
 
@@ -100,6 +112,7 @@ def run(args) -> dict:
                     ("ctx", "ctx", "{}"), ("bs", "bs", "{}"), ("bucketed_us", "bucketed_us", "{:.1f}"),
                     ("bucketed_dispatch_us", "launch_us", "{:.1f}"),
                     ("bucketed_device_inputs_us", "device_inputs_us", "{:.1f}"),
+                    ("split_us", "split_us", "{:.1f}"), ("split/bucketed", "split/bucketed", "{:.2f}"),
                     ("no_cmd_buffer_us", "no_cmdbuf_us", "{:.1f}"), ("eager_us", "eager_us", "{:.1f}"),
                     ("eager/bucketed", "eager/bucketed", "{:.2f}"), ("no_cmd/bucketed", "no_cmd/bucketed", "{:.2f}"),
                     ("same_drafts", "same_drafts", "{:.2f}")], rows)

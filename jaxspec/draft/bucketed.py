@@ -19,8 +19,8 @@ import numpy as np
 
 from jaxspec.aot import compile_ahead, matmul_precision
 from jaxspec.config import AssistantConfig, TargetConfig
-from jaxspec.model.assistant import propose
-from jaxspec.paged_kv.cache import PagedKVCache, draft_attend
+from jaxspec.model.assistant import fused_supported, propose, propose_fused
+from jaxspec.paged_kv.cache import PagedKVCache, draft_attend, draft_attend_rows
 from jaxspec.paged_kv.metadata import CacheSpec, PageTables, draft_metadata
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -33,13 +33,19 @@ DRAFT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 
 def draft(aparams, target_embed, kv, pages: PageTables, cached_len, pending_token, seed_hidden, *,
-          acfg: AssistantConfig, target: TargetConfig, spec: CacheSpec, k: int, use_kernels: bool):
-    """k draft steps for a batch. cached_len, pending_token: i32[B]; seed_hidden: [B, H_target].
+          acfg: AssistantConfig, target: TargetConfig, spec: CacheSpec, k: int, use_kernels: bool, fused: bool = True):
+    """k draft steps for a batch. cached_len, pending_token: i32[B]; seed_hidden: [B, H_target]. With kernels, the
+    step runs through the fused kernels (`propose_fused`) where the drafter's shapes allow and `fused`; otherwise the
+    jnp step with the attention kernel alone (`fused=False`: the path before the fused kernels, for benchmarks).
 
     Returns (drafts i32[B, k], the last h_next [B, H_target]).
     """
     types = acfg.text.layer_types
     meta = draft_metadata(spec, pages, cached_len, acfg.text.sliding_window, types, use_kernels=use_kernels)
+    if use_kernels and fused and fused_supported(acfg):
+        attend = draft_attend_rows(target, acfg.text, meta)
+        return propose_fused(aparams, acfg, target_embed, pending_token, seed_hidden, cached_len,
+                             lambda i, q: attend(kv, i, q), k=k)
     attend = draft_attend(target, types, meta, use_kernels=use_kernels)
     return propose(aparams, acfg, target_embed, pending_token, seed_hidden, cached_len, attend, kv, k=k)
 
@@ -60,14 +66,14 @@ class BucketedDrafter:
 
     def __init__(self, aparams, acfg: AssistantConfig, target_embed, cfg: TargetConfig, k: int, *,
                  buckets=DEFAULT_BUCKETS, seed_slots: int | None = None, use_kernels: bool = True,
-                 compiler_options: dict | None = None):
+                 fused: bool = True, compiler_options: dict | None = None):
         buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"draft buckets must be positive batch sizes, got {buckets}")
         self.aparams, self.acfg, self.target_embed, self.cfg, self.k = aparams, acfg, target_embed, cfg, k
         self.buckets = buckets
         self.seed_slots = seed_slots or buckets[-1] + 1
-        self.use_kernels = use_kernels
+        self.use_kernels, self.fused = use_kernels, fused
         # e.g. {"xla_gpu_enable_command_buffer": ""} to measure what the graphs buy; on top of DRAFT_COMPILER_OPTIONS
         self.compiler_options = {**DRAFT_COMPILER_OPTIONS, **(compiler_options or {})}
         self.cache: PagedKVCache | None = None
@@ -80,7 +86,7 @@ class BucketedDrafter:
 
     def _program(self, aparams, target_embed, kv, pages: PageTables, cached_len, pending_token, seed_table, slot):
         return draft(aparams, target_embed, kv, pages, cached_len, pending_token, seed_table[slot], acfg=self.acfg,
-                     target=self.cfg, spec=self.cache.spec, k=self.k, use_kernels=self.use_kernels)
+                     target=self.cfg, spec=self.cache.spec, k=self.k, use_kernels=self.use_kernels, fused=self.fused)
 
     def compile(self) -> None:
         """Compile every bucket against the cache's current shapes (ahead of time, off the serving path)."""

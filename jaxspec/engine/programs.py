@@ -94,6 +94,7 @@ class Programs:
     draft_mode: str
     use_kernels: bool
     eos: tuple[int, ...]
+    fused_draft: bool = True  # the drafter step through its fused kernels (with kernels, where shapes allow)
 
     def _forward(self, weights: Weights, kv, pages: PageTables, tokens, cached_len, num_new):
         meta = step_metadata(self.cfg, self.spec, pages, cached_len, num_new, tokens.shape[1],
@@ -130,7 +131,7 @@ class Programs:
             if drafts is None and k:
                 drafts, _ = draft(weights.assistant, weights.target["embed"], kv, pages, rows.cached_len,
                                   rows.pending_token, rows.seed_hidden, acfg=self.acfg, target=self.cfg,
-                                  spec=self.spec, k=k, use_kernels=self.use_kernels)
+                                  spec=self.spec, k=k, use_kernels=self.use_kernels, fused=self.fused_draft)
             elif drafts is None:
                 drafts = jnp.zeros((B, 0), jnp.int32)
             tokens = jnp.concatenate([rows.pending_token[:, None], drafts], axis=1)  # [B, k+1]

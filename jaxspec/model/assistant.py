@@ -7,8 +7,10 @@
     token  = argmax(hn · E_assistantᵀ)               plain head, no softcap
            | argmax over the top-k centroids' tokens  centroid head (`use_ordered_embeddings`)
 
-The eager and bucketed drafters (`jaxspec.draft`) both call `draft_step`; they differ only in how it is driven and
-where the attention metadata comes from.
+The eager and bucketed drafters (`jaxspec.draft`) both call `propose`; they differ only in how it is driven and
+where the attention metadata comes from. With kernels on, the bucketed path runs the same step through the fused
+Pallas kernels of `jaxspec.pallas.draft_layer` (`fused_draft_hidden`): the same math and the same roundings, ~6
+launches a layer instead of ~15, equal to `draft_hidden` up to summation order (tests/test_drafter.py).
 """
 
 from __future__ import annotations
@@ -16,9 +18,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.config import AssistantConfig
+import numpy as np
+
+from jaxspec.config import AssistantConfig, rope_inv_freq
 from jaxspec.model.gemma4 import decoder_layer, layer_weights
 from jaxspec.model.layers import acc_dtype, linear, rms_norm, sqrt_scale
+from jaxspec.pallas import draft_layer
+from jaxspec.pallas.paged_attention import query_rows
 
 
 def draft_hidden(aparams, acfg: AssistantConfig, target_embed, tokens, seed_hidden, positions, attend, cache):
@@ -68,13 +74,35 @@ def candidates(aparams, acfg: AssistantConfig, hn):
     return cand, sel
 
 
+def compact_head(aparams, acfg: AssistantConfig) -> dict:
+    """aparams with the plain head's nonzero rows as `head_rows` [K, Ha] and their ids `head_ids` i32[K], when at
+    least a quarter of its rows are exactly zero (a distilled drafter keeps rows only for the tokens its target
+    produces: the bundled one 11 662 of 262 144), so that a draft step reads K rows instead of the vocabulary.
+    `draft_token` gives the same ids either way. Other heads are returned as they are."""
+    if acfg.use_ordered_embeddings:
+        return aparams
+    embed = np.asarray(jax.device_get(aparams["embed"]))
+    kept = np.flatnonzero(np.any(embed != 0, axis=1))
+    if len(kept) == 0 or len(kept) > 0.75 * embed.shape[0]:
+        return aparams
+    zero = np.flatnonzero(~np.any(embed != 0, axis=1))[0]  # the first zero row: the argmax among all of them
+    ids = np.concatenate([kept, [zero]]).astype(np.int32)
+    rows = np.concatenate([embed[kept], np.zeros((1, embed.shape[1]), embed.dtype)])
+    return {**aparams, "head_rows": jnp.asarray(rows), "head_ids": jnp.asarray(ids)}
+
+
 def draft_token(aparams, acfg: AssistantConfig, hn):
     """Greedy draft id int32[B]. The centroid head scores only its candidates (never the full vocabulary); ties go to
-    the lowest vocabulary id, as argmax over transformers' full masked vector does."""
-    if not acfg.use_ordered_embeddings:
+    the lowest vocabulary id, as argmax over transformers' full masked vector does. A compacted plain head
+    (`compact_head`) scores its nonzero rows and one zero row, whose logit 0 stands for every zero row."""
+    if "head_rows" in aparams:
+        cand = jnp.broadcast_to(aparams["head_ids"], (hn.shape[0], aparams["head_ids"].shape[0]))
+        sel = jnp.einsum("bh,nh->bn", hn, aparams["head_rows"], preferred_element_type=acc_dtype(hn.dtype))
+    elif not acfg.use_ordered_embeddings:
         logits = jnp.einsum("bh,vh->bv", hn, aparams["embed"], preferred_element_type=acc_dtype(hn.dtype))
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    cand, sel = candidates(aparams, acfg, hn)
+    else:
+        cand, sel = candidates(aparams, acfg, hn)
     best = jnp.max(sel, axis=-1, keepdims=True)
     return jnp.min(jnp.where(sel == best, cand, acfg.vocab_size), axis=-1).astype(jnp.int32)
 
@@ -89,3 +117,69 @@ def propose(aparams, acfg: AssistantConfig, target_embed, pending_token, seed_hi
         tokens = draft_token(aparams, acfg, hn)
         drafts.append(tokens)
     return jnp.stack(drafts, axis=1), h
+
+
+# ---- the fused step (Pallas kernels; the bucketed path with kernels on) ---------------------------------------------
+
+
+def fused_supported(acfg: AssistantConfig) -> bool:
+    text = acfg.text
+    return draft_layer.supported(text.hidden_size, {text.layer_head_dim(i) for i in range(text.num_layers)},
+                                 text.intermediate_size, acfg.backbone_hidden_size)
+
+
+def fused_draft_hidden(aparams, acfg: AssistantConfig, target_embed, tokens, seed_hidden, rope_tables, attend_rows):
+    """`draft_hidden` through the fused kernels. tokens: i32[B]; seed_hidden: [B, Ht]; B a multiple of
+    `draft_layer.BLOCK_ROWS`. rope_tables: {layer type: (cos, sin) fp32 [B, D]}. attend_rows(i, q_rows) -> the
+    attention of drafter layer i in the same row layout. Returns (hn [B, Ha], h_next [B, Ht])."""
+    text = acfg.text
+    eps = text.rms_norm_eps
+    layers = aparams["layers"]
+    x = draft_layer.pre_projection(tokens, seed_hidden, target_embed, aparams["pre_projection"])
+    stream, prev = x, None
+    for i in range(text.num_layers):
+        group, j = text.group_of(i)
+        w = layers[group]
+        t = text.layer_types[i]
+        D = text.layer_head_dim(i)
+        kvh = text.layer_kv_heads(i)
+        _, rows = draft_layer_rows(text, i)
+        cos, sin = rope_tables[t]
+        q, x = draft_layer.q_heads(stream, w["norms"], j, w["q_proj"], w["q_norm"], cos, sin, num_kv_heads=kvh,
+                                   rows_per_kv_head=rows, eps=eps, prev=prev)
+        a = attend_rows(i, q)
+        o = draft_layer.o_proj(a, w["o_proj"], j, num_heads=text.num_heads)
+        m, x1 = draft_layer.mlp_up(x, o, w["norms"], w["gate_up"], j, eps=eps)
+        d = draft_layer.mlp_down(m, w["down"], j)
+        stream, prev = (x1, d), (w["norms"], j, w["layer_scalar"])
+    (x1, d), (norms, j, scalar) = stream, prev
+    return draft_layer.final_projection(x1, d, norms, j, scalar, aparams["final_norm"], aparams["post_projection"],
+                                        eps=eps)
+
+
+def draft_layer_rows(text, i: int) -> tuple[int, int]:
+    """(block_q, rows per kv head) of drafter layer i's queries in the attention's row layout (one query)."""
+    G = text.num_heads // text.layer_kv_heads(i)
+    return query_rows(1, G, text.layer_head_dim(i))
+
+
+def propose_fused(aparams, acfg: AssistantConfig, target_embed, pending_token, seed_hidden, cached_len, attend_rows,
+                  *, k: int):
+    """`propose` through `fused_draft_hidden`: the batch padded to whole row blocks once, RoPE tables built once (all
+    k steps sit at one position). Returns (drafts int32[B, k], last h_next [B, H_t])."""
+    B = pending_token.shape[0]
+    pad = -B % draft_layer.BLOCK_ROWS
+    tokens = jnp.pad(pending_token, (0, pad))
+    h = jnp.pad(seed_hidden, ((0, pad), (0, 0)))
+    positions = jnp.pad(cached_len, (0, pad))
+    text = acfg.text
+    tables = {}
+    for i, t in enumerate(text.layer_types):
+        D = text.layer_head_dim(i)
+        tables[t] = draft_layer.rope_tables(positions, jnp.asarray(rope_inv_freq(text.rope(t), D, np.float32)))
+    drafts = []
+    for _ in range(k):
+        hn, h = fused_draft_hidden(aparams, acfg, target_embed, tokens, h, tables, attend_rows)
+        tokens = draft_token(aparams, acfg, hn)
+        drafts.append(tokens[:B])
+    return jnp.stack(drafts, axis=1), h[:B]

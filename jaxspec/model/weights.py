@@ -224,14 +224,17 @@ def load_target(path: str, dtype="fp32") -> tuple[TargetConfig, dict]:
 
 
 def load_assistant(path: str, dtype="fp32") -> tuple[AssistantConfig, dict]:
-    """Config and params of a `gemma4_assistant` / `gemma4_unified_assistant` checkpoint."""
+    """Config and params of a `gemma4_assistant` / `gemma4_unified_assistant` checkpoint. A plain head whose rows are
+    mostly exactly zero (a distilled drafter's) also gets its compact form (`assistant.compact_head`)."""
+    from jaxspec.model.assistant import compact_head
+
     dtype = compute_dtype(dtype) if isinstance(dtype, str) else dtype
     acfg = hf.load_assistant_config(path)
     ck = Checkpoint(path)
     params = {name: _to_device(name, ck.get(hf.ASSISTANT_TENSORS[name], shape), dtype)
               for name, shape in assistant_global_shapes(acfg).items()}
     params["layers"] = _load_layers(ck, acfg.text, hf.ASSISTANT_TEXT_PREFIX, dtype)
-    return acfg, params
+    return acfg, compact_head(params, acfg)
 
 
 # ---- random initialisation (presets, demo model, tests) ---------------------------------------------------------

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxspec.config import FULL, TargetConfig
 from jaxspec.paged_kv.metadata import CacheSpec, StepMetadata
 from jaxspec.paged_kv.pool import PagePool
-from jaxspec.pallas.paged_attention import paged_attention, paged_attention_ref
+from jaxspec.pallas.paged_attention import paged_attention, paged_attention_ref, paged_attention_rows, query_rows, row_ranges
 
 MAX_KERNEL_QUERIES = 16  # q_len above this (prefill chunks) uses the XLA gather + dense attention path
 
@@ -128,3 +128,24 @@ def draft_attend(cfg: TargetConfig, layer_types, meta: dict, *, use_kernels: boo
         return out, kv
 
     return attend
+
+
+def draft_attend_rows(cfg: TargetConfig, text: TargetConfig, meta: dict):
+    """The fused drafter's attention (`jaxspec.model.assistant.fused_draft_hidden`): attend_rows(i, q_rows) for
+    drafter layer i (config `text`) over the target store layer of its type, queries and output in the kernel's row
+    layout. meta: {type: AttentionMetadata} (`draft_metadata`); the row masks are built once per type."""
+    store = {t: len(cfg.kv_layers[t]) - 1 for t in cfg.kv_layers if cfg.kv_layers[t]}
+    masks = {}
+
+    def attend_rows(kv, i, q_rows):
+        t = text.layer_types[i]
+        m = meta[t]
+        G = text.num_heads // text.layer_kv_heads(i)
+        block_q, rows = query_rows(1, G, text.layer_head_dim(i))
+        if (t, G, rows) not in masks:
+            masks[t, G, rows] = row_ranges(m.kv_start, m.q_lo, m.q_hi, G, rows, m.read.shape[1])
+        row_lo, row_hi, span = masks[t, G, rows]
+        return paged_attention_rows(q_rows, kv[t].k, kv[t].v, m.read, m.kv_start, row_lo, row_hi, span,
+                                    layer=store[t], block_q=block_q)
+
+    return attend_rows

@@ -132,6 +132,26 @@ def _live_span(kv_start, q_lo, q_hi, width: int):
     return jnp.stack([first, last], axis=1).astype(jnp.int32)
 
 
+def query_rows(num_queries: int, group: int, head_dim: int, block_q: int | None = None) -> tuple[int, int]:
+    """(block_q, padded rows per kv head) of the row layout: the Tq queries x G heads of one kv head as rows
+    r = t * G + g, in blocks of block_q rows (a power of two >= 16; default: an fp32 accumulator of at most 16K)."""
+    rows = num_queries * group
+    if block_q is None:
+        block_q = max(_MIN_DOT, 16384 // head_dim)
+    block_q = min(block_q, max(_MIN_DOT, _next_pow2(rows)))
+    return block_q, pl.cdiv(rows, block_q) * block_q
+
+
+def row_ranges(kv_start, q_lo, q_hi, group: int, padded_rows: int, width: int):
+    """The row layout's masks from a step's query ranges: row_lo, row_hi int32[B, R] (padding rows see nothing) and
+    the live span int32[B, 2] of kv_indices. Computed once per step and shared by every layer of a type."""
+    pad = padded_rows - q_lo.shape[1] * group
+    row_lo = jnp.pad(jnp.repeat(q_lo.astype(jnp.int32), group, axis=1), ((0, 0), (0, pad)), constant_values=1)
+    row_hi = jnp.pad(jnp.repeat(q_hi.astype(jnp.int32), group, axis=1), ((0, 0), (0, pad)), constant_values=0)
+    span = _live_span(kv_start.astype(jnp.int32), q_lo.astype(jnp.int32), q_hi.astype(jnp.int32), width)
+    return row_lo, row_hi, span
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "layer", "block_k", "block_q", "num_splits", "num_warps", "num_stages", "interpret"),
@@ -160,13 +180,31 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     if NH % KVH:
         raise ValueError(f"query heads ({NH}) must be a multiple of kv heads ({KVH})")
     G = NH // KVH
-    width = kv_indices.shape[1]
     rows = Tq * G
+    block_q, padded_rows = query_rows(Tq, G, D, block_q)
+    # Rows r = t * G + g; padding rows see no key (lo > hi) and come out as 0.
+    q_rows = q.reshape(B, Tq, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(B, KVH, rows, D)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))  # [B, KVH, R, D]
+    row_lo, row_hi, span = row_ranges(kv_start, q_lo, q_hi, G, padded_rows, kv_indices.shape[1])
+    out = paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, scale=scale,
+                               layer=layer, block_k=block_k, block_q=block_q, num_splits=num_splits,
+                               num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    return out[:, :, :rows].reshape(B, KVH, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, NH, D)
+
+
+def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, *, scale: float = 1.0,
+                         layer: int | None = None, block_k: int | None = None, block_q: int | None = None,
+                         num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                         interpret: bool | None = None):
+    """`paged_attention` on queries already in the row layout (`query_rows`, `row_ranges`): q_rows [B, KVH, R, D],
+    row_lo / row_hi int32[B, R], span int32[B, 2]. Returns [B, KVH, R, D] in q_rows.dtype (padding rows 0). Callers
+    that produce and consume this layout themselves (the drafter's fused step) skip the transposes around it."""
+    B, KVH, padded_rows, D = q_rows.shape
+    width = kv_indices.shape[1]
     if block_k is None:
         block_k = 64 if D <= 128 else 32
     if block_q is None:
-        block_q = max(_MIN_DOT, 16384 // D)  # bounds the fp32 accumulator at 16K elements
-    block_q = min(block_q, max(_MIN_DOT, _next_pow2(rows)))
+        block_q = min(max(_MIN_DOT, 16384 // D), padded_rows)
     for name, size in (("head_dim", D), ("block_k", block_k), ("block_q", block_q)):
         if size & (size - 1) or size < _MIN_DOT:
             raise ValueError(f"{name} ({size}) must be a power of two >= {_MIN_DOT}")
@@ -176,23 +214,13 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
         num_stages = 1 if D >= 512 else 2  # head_dim 512 K/V tiles overflow shared memory with 2 stages
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    row_blocks = pl.cdiv(rows, block_q)
+    row_blocks = padded_rows // block_q
     if num_splits is None:  # about two programs per SM of an H200 (132), at most 64 pieces per row and no more
         # than the width has blocks of keys (a sliding window's table is narrow); the CPU interpreter runs programs
         # one after another, so there a couple of pieces is fastest
         num_splits = 2 if interpret else max(1, min(64, _next_pow2(max(1, 264 // (B * KVH * row_blocks))),
                                                     _next_pow2(pl.cdiv(width, block_k))))
     num_splits = _next_pow2(num_splits)  # the merge kernel holds the splits in one power-of-two block
-    padded_rows = row_blocks * block_q
-
-    # Rows r = t * G + g; padding rows see no key (lo > hi) and come out as 0.
-    q_rows = q.reshape(B, Tq, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(B, KVH, rows, D)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))  # [B, KVH, R, D]
-    row_lo = jnp.pad(jnp.repeat(q_lo.astype(jnp.int32), G, axis=1), ((0, 0), (0, padded_rows - rows)),
-                     constant_values=1)  # [B, R]
-    row_hi = jnp.pad(jnp.repeat(q_hi.astype(jnp.int32), G, axis=1), ((0, 0), (0, padded_rows - rows)),
-                     constant_values=0)
-    span = _live_span(kv_start.astype(jnp.int32), q_lo.astype(jnp.int32), q_hi.astype(jnp.int32), width)
 
     kernel = functools.partial(_attention_kernel, scale=scale, block_k=block_k, num_splits=num_splits, layer=layer)
 
@@ -213,51 +241,48 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     args = (span, kv_start.astype(jnp.int32), kv_indices.astype(jnp.int32), row_lo, row_hi, q_rows, k_cache, v_cache)
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     if num_splits == 1:  # the program normalises: no partials, no merge
-        out = pl.pallas_call(
+        return pl.pallas_call(
             kernel,
             grid=(B, KVH, row_blocks, 1),
             in_specs=in_specs,
             out_specs=pl.BlockSpec((None, None, block_q, D), lambda b, h, r, s: (b, h, r, 0)),
-            out_shape=jax.ShapeDtypeStruct((B, KVH, padded_rows, D), q.dtype),
+            out_shape=jax.ShapeDtypeStruct((B, KVH, padded_rows, D), q_rows.dtype),
             compiler_params=params,
             interpret=interpret,
             name="paged_attention",
         )(*args)
-    else:
-        o, m, l = pl.pallas_call(
-            kernel,
-            grid=(B, KVH, row_blocks, num_splits),
-            in_specs=in_specs,
-            out_specs=[
-                pl.BlockSpec((None, None, None, block_q, D), lambda b, h, r, s: (b, h, s, r, 0)),
-                pl.BlockSpec((None, None, None, block_q), lambda b, h, r, s: (b, h, s, r)),
-                pl.BlockSpec((None, None, None, block_q), lambda b, h, r, s: (b, h, s, r)),
-            ],
-            out_shape=[
-                jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows, D), jnp.float32),
-                jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows), jnp.float32),
-                jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows), jnp.float32),
-            ],
-            compiler_params=params,
-            interpret=interpret,
-            name="paged_attention",
-        )(*args)
-        # block_d: all splits of a [block_q, block_d] tile in at most 16K fp32 registers' worth
-        block_d = max(1, min(D, 16384 // (num_splits * block_q)))
-        split_rows = pl.BlockSpec((None, None, num_splits, block_q), lambda b, h, r, d: (b, h, 0, r))
-        out = pl.pallas_call(
-            _merge_kernel,
-            grid=(B, KVH, row_blocks, D // block_d),
-            in_specs=[pl.BlockSpec((None, None, num_splits, block_q, block_d), lambda b, h, r, d: (b, h, 0, r, d)),
-                      split_rows, split_rows],
-            out_specs=pl.BlockSpec((None, None, block_q, block_d), lambda b, h, r, d: (b, h, r, d)),
-            out_shape=jax.ShapeDtypeStruct((B, KVH, padded_rows, D), q.dtype),
-            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-            interpret=interpret,
-            name="paged_attention_merge",
-        )(o, m, l)
-
-    return out[:, :, :rows].reshape(B, KVH, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, NH, D)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(B, KVH, row_blocks, num_splits),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_q, D), lambda b, h, r, s: (b, h, s, r, 0)),
+            pl.BlockSpec((None, None, None, block_q), lambda b, h, r, s: (b, h, s, r)),
+            pl.BlockSpec((None, None, None, block_q), lambda b, h, r, s: (b, h, s, r)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows), jnp.float32),
+            jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows), jnp.float32),
+        ],
+        compiler_params=params,
+        interpret=interpret,
+        name="paged_attention",
+    )(*args)
+    # block_d: all splits of a [block_q, block_d] tile in at most 16K fp32 registers' worth
+    block_d = max(1, min(D, 16384 // (num_splits * block_q)))
+    split_rows = pl.BlockSpec((None, None, num_splits, block_q), lambda b, h, r, d: (b, h, 0, r))
+    return pl.pallas_call(
+        _merge_kernel,
+        grid=(B, KVH, row_blocks, D // block_d),
+        in_specs=[pl.BlockSpec((None, None, num_splits, block_q, block_d), lambda b, h, r, d: (b, h, 0, r, d)),
+                  split_rows, split_rows],
+        out_specs=pl.BlockSpec((None, None, block_q, block_d), lambda b, h, r, d: (b, h, r, d)),
+        out_shape=jax.ShapeDtypeStruct((B, KVH, padded_rows, D), q_rows.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="paged_attention_merge",
+    )(o, m, l)
 
 
 def paged_attention_ref(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, scale: float = 1.0,

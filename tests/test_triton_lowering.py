@@ -1,0 +1,112 @@
+"""Every Pallas kernel lowers to Triton for an H200, checked on the CPU: the programs are exported for the `cuda`
+platform with jax.export, which runs the Pallas -> Triton IR lowering in Python (no GPU needed; compiling the Triton
+IR to PTX happens on the GPU lane, bench/h200.sh). An unsupported op, a non-power-of-two block or a bad index in a
+kernel fails here, before any device time is spent. The drafter programs are lowered at the public shapes (E4B's
+drafter, and the default pair's: one KV head, four query heads per KV head), and the fused step's launches counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+from jaxspec.config import FULL, PRESETS, SLIDING, assistant_preset, bench_pair
+from jaxspec.draft.bucketed import draft
+from jaxspec.engine.programs import DecodeState, Programs, Weights
+from jaxspec.model.weights import random_assistant_params, random_target_params
+from jaxspec.paged_kv.cache import LayerKV
+from jaxspec.paged_kv.metadata import CacheSpec, PageTables
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+PAGE, CONTEXT = 16, 4096
+
+
+@pytest.fixture(autouse=True)
+def as_if_on_an_h200(monkeypatch):
+    """Lower for an H200: Pallas asks the device for its compute capability, and the kernels choose Triton over the
+    interpreter by the default backend."""
+    h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200)
+    with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+        yield
+
+
+def lower_for_cuda(fn, *args) -> collections.Counter:
+    """The Triton kernels (by name) of fn lowered for CUDA."""
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    text = exported.mlir_module()
+    calls = re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "([A-Za-z0-9_]+)"', text)
+    return collections.Counter(calls)
+
+
+def abstract_state(cfg, acfg, batch):
+    spec = CacheSpec(page_size=PAGE, num_full_pages=batch * CONTEXT // PAGE + 8, num_swa_pages=batch * 40 + 8,
+                     max_pages_per_request=CONTEXT // PAGE)
+    target = jax.eval_shape(functools.partial(random_target_params, cfg, 0, jnp.bfloat16))
+    assistant = jax.eval_shape(functools.partial(random_assistant_params, acfg, 0, jnp.bfloat16))
+    kv = {}
+    for t, layers in cfg.kv_layers.items():
+        if layers:
+            pages = spec.num_full_pages if t == FULL else spec.num_swa_pages
+            shape = (len(layers), pages * PAGE, cfg.type_kv_heads(t), cfg.type_head_dim(t))
+            kv[t] = LayerKV(k=jax.ShapeDtypeStruct(shape, jnp.bfloat16), v=jax.ShapeDtypeStruct(shape, jnp.bfloat16))
+    pages = PageTables(page_table=jax.ShapeDtypeStruct((batch, spec.max_pages_per_request), jnp.int32),
+                       swa_of_full=jax.ShapeDtypeStruct((spec.num_full_pages,), jnp.int32))
+    return spec, target, assistant, kv, pages
+
+
+def default_pair_shapes():
+    """The default pair's geometry (Gemma 3 270M: hidden 640, 4 heads on 1 KV head of 256; its drafter) with the
+    E4B preset's switches: only the drafter's shapes matter here."""
+    cfg = dataclasses.replace(
+        PRESETS["E4B"], hidden_size=640, num_heads=4, num_kv_heads=1, num_global_kv_heads=1, global_head_dim=256,
+        num_layers=18, layer_types=((SLIDING,) * 5 + (FULL,)) * 3, hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0, num_kv_shared_layers=0, intermediate_size=2048)
+    return cfg, assistant_preset(cfg, ordered=False)
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+@pytest.mark.parametrize("pair", ["E4B", "default"])
+def test_fused_draft_lowers_to_triton(pair, batch):
+    """k = 3 draft steps: per step the pre projection, per layer q / attention (+ merge) / o / up / down, the final
+    projection; two index walks for the whole propose. Nothing else of the step is a Pallas kernel."""
+    cfg, acfg = bench_pair("E4B") if pair == "E4B" else default_pair_shapes()
+    spec, target, assistant, kv, pages = abstract_state(cfg, acfg, batch)
+    k, L = 3, acfg.text.num_layers
+    vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    seed = jax.ShapeDtypeStruct((batch, cfg.hidden_size), jnp.bfloat16)
+    fn = functools.partial(draft, acfg=acfg, target=cfg, spec=spec, k=k, use_kernels=True)
+    kernels = lower_for_cuda(fn, assistant, target["embed"], kv, pages, vec, vec, seed)
+    per_layer = ("draft_q_heads", "paged_attention", "draft_o_proj", "draft_mlp_up", "draft_mlp_down")
+    for name in per_layer:
+        assert kernels[name] == k * L, (name, kernels)
+    assert kernels["draft_pre_projection"] == kernels["draft_final_projection"] == k
+    assert kernels["gather_kv_indices"] == 2  # one window walk per layer type, shared by all steps and layers
+    assert kernels["paged_attention_merge"] <= k * L
+    assert set(kernels) <= {*per_layer, "paged_attention_merge", "draft_pre_projection", "draft_final_projection",
+                            "gather_kv_indices"}
+
+
+def test_decode_round_lowers_to_triton():
+    """The engine's round program (draft, verify, accept) for the E4B pair at bs 4: every kernel of it lowers (each
+    distinct jitted kernel appears once in the exported text, so only presence is checked)."""
+    cfg, acfg = bench_pair("E4B")
+    batch, k = 4, 3
+    spec, target, assistant, kv, pages = abstract_state(cfg, acfg, batch)
+    programs = Programs(cfg=cfg, acfg=acfg, spec=spec, k=k, draft_mode="bucketed", use_kernels=True, eos=(1,))
+    state = jax.eval_shape(lambda: DecodeState.empty(batch + 1, cfg.hidden_size, jnp.bfloat16))
+    slot = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    kernels = lower_for_cuda(programs.decode_rounds(1, False), Weights(target=target, assistant=assistant), kv, state,
+                             slot, pages)
+    assert kernels["draft_q_heads"] == k * acfg.text.num_layers
+    assert {"paged_attention", "paged_attention_merge", "gather_kv_indices"} <= set(kernels)

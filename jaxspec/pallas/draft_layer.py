@@ -128,7 +128,7 @@ def _whole(shape):
 
 
 def _pre_kernel(tok_ref, seed_ref, emb_ref, w_ref, o_ref, *, scale, block_k, backbone):
-    tok = tok_ref[...]  # [BM]
+    tok = jnp.clip(tok_ref[...], 0, emb_ref.shape[0] - 1)  # [BM]; an id past the table must not read past it
     dtype = o_ref.dtype
 
     def body(j, acc):
@@ -147,6 +147,8 @@ def pre_projection(tokens, seed, target_embed, w_pre, *, interpret=None):
     w_pre: [H, 2 Ht]. B a multiple of BLOCK_ROWS."""
     B, Ht = seed.shape
     H = w_pre.shape[0]
+    if tokens.shape != (B,) or B % BLOCK_ROWS:
+        raise ValueError(f"tokens {tokens.shape} and seed rows {B} must agree and be a multiple of {BLOCK_ROWS}")
     bn, bk = 16, _pow2_divisor(Ht, 128)
     scale = float(np.float32(np.sqrt(Ht)).astype(target_embed.dtype))  # `sqrt_scale`, on the host
     kernel = functools.partial(_pre_kernel, scale=scale, block_k=bk, backbone=Ht)

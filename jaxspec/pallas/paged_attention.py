@@ -142,6 +142,13 @@ def query_rows(num_queries: int, group: int, head_dim: int, block_q: int | None 
     return block_q, pl.cdiv(rows, block_q) * block_q
 
 
+def default_splits(rows: int, kv_heads: int, row_blocks: int, width: int, block_k: int) -> int:
+    """Pieces of each row's live range: about two programs per SM of an H200 (132), at most 64 pieces per row and no
+    more than the width has blocks of keys (a sliding window's table is narrow). `rows`: the batch rows that have
+    keys (rows padded in after them see none and exit at once)."""
+    return max(1, min(64, _next_pow2(max(1, 264 // (rows * kv_heads * row_blocks))), _next_pow2(pl.cdiv(width, block_k))))
+
+
 def row_ranges(kv_start, q_lo, q_hi, group: int, padded_rows: int, width: int):
     """The row layout's masks from a step's query ranges: row_lo, row_hi int32[B, R] (padding rows see nothing) and
     the live span int32[B, 2] of kv_indices. Computed once per step and shared by every layer of a type."""
@@ -201,6 +208,9 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     that produce and consume this layout themselves (the drafter's fused step) skip the transposes around it."""
     B, KVH, padded_rows, D = q_rows.shape
     width = kv_indices.shape[1]
+    if kv_indices.shape[0] != B or row_lo.shape != (B, padded_rows) or span.shape != (B, 2):
+        raise ValueError(f"metadata rows {kv_indices.shape[0]}, row masks {row_lo.shape}, span {span.shape} do not "
+                         f"match the queries' {B} rows x {padded_rows}")  # a program past them would read out of bounds
     if block_k is None:
         block_k = 64 if D <= 128 else 32
     if block_q is None:
@@ -215,11 +225,8 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     row_blocks = padded_rows // block_q
-    if num_splits is None:  # about two programs per SM of an H200 (132), at most 64 pieces per row and no more
-        # than the width has blocks of keys (a sliding window's table is narrow); the CPU interpreter runs programs
-        # one after another, so there a couple of pieces is fastest
-        num_splits = 2 if interpret else max(1, min(64, _next_pow2(max(1, 264 // (B * KVH * row_blocks))),
-                                                    _next_pow2(pl.cdiv(width, block_k))))
+    if num_splits is None:
+        num_splits = 2 if interpret else default_splits(B, KVH, row_blocks, width, block_k)
     num_splits = _next_pow2(num_splits)  # the merge kernel holds the splits in one power-of-two block
 
     kernel = functools.partial(_attention_kernel, scale=scale, block_k=block_k, num_splits=num_splits, layer=layer)

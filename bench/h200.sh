@@ -7,9 +7,9 @@
 # session 6 (issues #13, #16, #17), one warm machine, calls chained without pause: `bash bench/h200.sh s6-stage` once per
 # carried GGUF part (.gg0 .. .gg7, with .whl and .tok in the first), then `... s6-distill` (with .gg7 and .dist), then
 # `... s6-bench`; `... s6-tests` where device time is left.
-# session 7 (issues #14, #13, #16), one warm machine, calls chained without pause, each staging what it carried
-# (`bash bench/h200.sh s6-stage; bash bench/h200.sh PART`): s7-tests (with tests/golden and .gg0), s7-propose (.gg1),
-# s7-e4b (.gg2), a stage-only call (.gg3), s7-270m (.gg4 .whl .tok and jaxspec/assets), s7-serve.
+# session 7 (issues #14, #13, #16), one warm machine, calls chained without pause: s7-tests, s7-propose; then the GGUF
+# in four xz parts (.gg0 with .whl, .gg1, .gg2 staged by `bash bench/h200.sh s6-stage`; .gg3 with jaxspec/assets,
+# the working tree cut to jaxspec/ and bench/ so that each part fits) and `s6-stage; s7-convert; s7-serve; s7-e2e270`.
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -222,8 +222,8 @@ s7-e4b)  # issue #13/#14: the engine on the E4B random pair, bs 1, 1K prompt: pl
     e2e --bs 1 --prompt-len 1024 --modes off,bucketed,bucketed-split --rounds-per-call 1 --overlap on \
     --profile-dir /tmp/prof --json "$OUT/e2e-e4b-1k-bs1.json" > "$OUT/e2e-e4b.log" 2>&1
   grep "^e2e bs\|^trace\|Error" "$OUT/e2e-e4b.log" | head -20 ;;
-s7-270m)  # issue #13: assemble the carried GGUF (.gg0-.gg4, xz), convert it (tokenizer from .tok), then the engine at
-  # bs 1 on 16 held-out prompts one at a time, 128 new tokens: plain R 1 / 16, the fused draft at k 3-5, the split k 4
+s7-convert)  # assemble the carried GGUF (.gg0-.gg3, xz) and convert it without its tokenizer (prompt ids in); unpack
+  # the bundled drafter (jaxspec/assets)
   cd /root/carry && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl && cd - >/dev/null
   cat /root/carry/.gg?/part | xz -dc > /tmp/model.gguf; sha256sum /tmp/model.gguf > "$OUT/270m.log"
   PYTHONPATH=/tmp/site:. python3 -c "
@@ -231,20 +231,16 @@ from jaxspec.model import gguf
 gguf._tokenizer = lambda meta: type('NoTokenizer', (), {'save_pretrained': lambda self, d: None})()
 gguf.convert_gguf('/tmp/model.gguf', '/root/gemma-3-270m')
 from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())" >> "$OUT/270m.log" 2>&1
-  tar xJf /root/carry/.tok/tok.tar.xz -C /root/gemma-3-270m
-  A=$(tail -1 "$OUT/270m.log")
+  tail -2 "$OUT/270m.log" ;;
+s7-e2e270)  # issue #13: the engine at bs 1 on 16 held-out prompts one at a time, 128 new tokens (after s7-convert)
+  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
   timeout ${E2E_TIMEOUT:-420} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$A" \
-    --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 --modes off,bucketed -k 3,4,5 \
-    --rounds-per-call 1,16 --overlap on --json "$OUT/e2e-270m.json" > "$OUT/e2e-270m.log" 2>&1
-  timeout 100 python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$A" \
-    --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 --modes off,bucketed-split -k 4 \
-    --rounds-per-call 16 --overlap on --json "$OUT/e2e-270m-split.json" > "$OUT/e2e-270m-split.log" 2>&1
-  grep "^e2e bs\|Error" "$OUT/e2e-270m.log" "$OUT/e2e-270m-split.log" | head -30 ;;
+    --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 --modes ${MODES:-off,bucketed} \
+    -k ${KS:-4} --rounds-per-call ${RS:-16} --overlap on --json "$OUT/e2e-270m.json" > "$OUT/e2e-270m.log" 2>&1
+  grep "^e2e bs\|Error" "$OUT/e2e-270m.log" | head -30 ;;
 s7-serve)  # issue #16: the server with the default pair (converted by s7-270m) under 1, 8 and 32 streaming clients
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-serve \
     $(ls /root/carry/.whl/*.whl | grep -v gguf) > "$OUT/serve.log" 2>&1
-  python3 -c "from transformers import AutoTokenizer as T; print(T.from_pretrained('/root/gemma-3-270m'))" \
-    >> "$OUT/serve.log" 2>&1 || rm -f /root/gemma-3-270m/tokenizer*  # this transformers cannot read it: ids in
   A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
   PYTHONPATH=/tmp/site-serve:. timeout ${SERVE_TIMEOUT:-420} python3 -m jaxspec.bench serve --model /root/gemma-3-270m \
     --assistant "$A" --server-args "--max-running-requests 32 --draft-bs 1,8,32 ${SERVE_ARGS:-}" --clients 1,8,32 \

@@ -41,7 +41,7 @@ def test_propose(tmp_path):
     r = run(tmp_path, "propose", "--preset", "tiny", "--bs", "2", "--ctx", "40", "-k", "2")
     assert [(p["ctx"], p["bs"], p["k"]) for p in r["rows"]] == [(40, 2, 2)]
     p = r["rows"][0]
-    assert {"bucketed_us", "split_us", "eager_us", "eager/bucketed", "split/bucketed", "no_cmd/bucketed"} <= set(p)
+    assert {"bucketed_us", "fused_us", "eager_us", "eager/bucketed", "fused/bucketed", "no_cmd/bucketed"} <= set(p)
     assert p["no_cmd_buffer_us"] is None  # command buffers exist on GPUs only
     # the bucketed drafts equal the eager reference's on the same inputs (bf16 here; tests/test_drafter.py measures 0
     # of 64 bf16 trajectories differing on the CPU and on the H200)

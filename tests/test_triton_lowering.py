@@ -85,7 +85,7 @@ def test_fused_draft_lowers_to_triton(pair, batch):
     k, L = 3, acfg.text.num_layers
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     seed = jax.ShapeDtypeStruct((batch, cfg.hidden_size), jnp.bfloat16)
-    fn = functools.partial(draft, acfg=acfg, target=cfg, spec=spec, k=k, use_kernels=True)
+    fn = functools.partial(draft, acfg=acfg, target=cfg, spec=spec, k=k, use_kernels=True, fused=True)
     kernels = lower_for_cuda(fn, assistant, target["embed"], kv, pages, vec, vec, seed)
     per_layer = ("draft_q_heads", "paged_attention", "draft_o_proj", "draft_mlp_up", "draft_mlp_down")
     for name in per_layer:
@@ -103,7 +103,8 @@ def test_decode_round_lowers_to_triton():
     cfg, acfg = bench_pair("E4B")
     batch, k = 4, 3
     spec, target, assistant, kv, pages = abstract_state(cfg, acfg, batch)
-    programs = Programs(cfg=cfg, acfg=acfg, spec=spec, k=k, draft_mode="bucketed", use_kernels=True, eos=(1,))
+    programs = Programs(cfg=cfg, acfg=acfg, spec=spec, k=k, draft_mode="bucketed", use_kernels=True, eos=(1,),
+                        fused_draft=True)
     state = jax.eval_shape(lambda: DecodeState.empty(batch + 1, cfg.hidden_size, jnp.bfloat16))
     slot = jax.ShapeDtypeStruct((batch,), jnp.int32)
     kernels = lower_for_cuda(programs.decode_rounds(1, False), Weights(target=target, assistant=assistant), kv, state,

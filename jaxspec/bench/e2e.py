@@ -41,8 +41,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=PRESET_NAMES, default="E4B")
     p.add_argument("--bs", type=sizes, default=[1, 4, 16], help="requests running together (one bucket each)")
     p.add_argument("--requests", type=positive, help="requests to run (default: bs), at most bs of them at once")
-    p.add_argument("--modes", default="off,eager,bucketed", help="draft modes to compare (also bucketed-split: "
-                   "bucketed with the drafter's split step, the path before its fused kernels)")
+    p.add_argument("--modes", default="off,eager,bucketed", help="draft modes to compare (also bucketed-fused: "
+                   "bucketed with the drafter's fused kernels)")
     p.add_argument("--rounds-per-call", type=sizes, help="rounds per compiled call, a row each (default: the "
                    "engine's own; passed to the Engine only when given)")
     p.add_argument("--overlap", type=on_off, help="launch round n+1 before reading round n: on, off or on,off, a "
@@ -90,8 +90,8 @@ def e2e_pair(args):
 def make_engine(pair: Pair, bs: int, mode: str, k: int, args, **options) -> Engine:
     """The engine of one row: one bucket of bs, at most bs requests running, k draft steps; `options`
     (rounds_per_call, overlap) when given on the command line, else the engine's defaults."""
-    if mode == "bucketed-split":
-        mode, options = "bucketed", {**options, "fused_draft": False}
+    if mode == "bucketed-fused":
+        mode, options = "bucketed", {**options, "fused_draft": True}
     return Engine(pair.cfg, pair.params, acfg=pair.acfg, aparams=pair.aparams, k=k, draft_mode=mode,
                   buckets=(bs,), max_running=bs, page_size=args.page_size,
                   max_context=args.prompt_len + args.new_tokens + k + 2, prefill_chunk=args.chunk,

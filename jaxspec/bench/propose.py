@@ -1,5 +1,5 @@
-"""`bench propose`: the drafter's propose latency, bucketed (fused kernels; command buffers on and off), the split
-step (jnp with the attention kernel, the path before the fused kernels) and eager, side by side in one run.
+"""`bench propose`: the drafter's propose latency, bucketed (command buffers on and off), the fused kernels' step and
+eager, side by side in one run.
 
 The bucketed drafter runs one compiled program per batch bucket; the eager drafter runs the same model function op by
 op (the reference path). All read one paged cache of random K/V at cached_len = ctx.
@@ -30,10 +30,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bs", type=sizes, default=[1, 4, 16, 64], help="batch sizes, each a compiled bucket")
     p.add_argument("--ctx", type=sizes, default=[4096, 32768], help="cached_len of every request")
     p.add_argument("--chunk", type=positive, default=256, help="prefill chunk: the pool's max_step_tokens")
-    p.add_argument("--variants", default="bucketed,split,eager",
-                   help="drafters to time: bucketed (the fused kernels), split (the jnp step with the attention "
-                   "kernel, the path before them), no_cmd_buffer (bucketed without command buffers), eager; the "
-                   "first one is traced with --profile-dir")
+    p.add_argument("--variants", default="bucketed,fused,eager",
+                   help="drafters to time: bucketed (the jnp step with the attention kernel, the default), fused (the "
+                   "fused kernels' step), no_cmd_buffer (bucketed without command buffers), eager; the first one is "
+                   "traced with --profile-dir")
     p.add_argument("--eager-iters", type=positive, help="timed calls of the eager drafter, ~0.3 s each on the H200 "
                    "(default: --iters, at most 50)")
 
@@ -57,7 +57,7 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
     kw = dict(buckets=args.bs, seed_slots=num_requests + 1)
     variants = args.variants.split(",")
     make = {"bucketed": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw),
-            "split": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, fused=False, **kw),
+            "fused": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, fused=True, **kw),
             "no_cmd_buffer": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw,
                                                      compiler_options=NO_COMMAND_BUFFERS),
             "eager": lambda: EagerDrafter(aparams, acfg, target_embed, cfg, args.k)}
@@ -87,7 +87,7 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
             same = np.asarray(calls["bucketed"](0)[0]) == calls["eager"](0)[0]
             row["same_drafts"] = float(np.mean(np.all(same, axis=1)))
         row["eager/bucketed"] = ratio(row["eager_us"], row["bucketed_us"])
-        row["split/bucketed"] = ratio(row["split_us"], row["bucketed_us"])
+        row["fused/bucketed"] = ratio(row["fused_us"], row["bucketed_us"])
         row["no_cmd/bucketed"] = ratio(row["no_cmd_buffer_us"], row["bucketed_us"])
         rows.append(row)
         print(f"propose ctx {ctx} bs {bs}: " + ", ".join(f"{n} {row[n + '_us']:.1f} µs" for n in drafters))
@@ -112,7 +112,7 @@ def run(args) -> dict:
                     ("ctx", "ctx", "{}"), ("bs", "bs", "{}"), ("bucketed_us", "bucketed_us", "{:.1f}"),
                     ("bucketed_dispatch_us", "launch_us", "{:.1f}"),
                     ("bucketed_device_inputs_us", "device_inputs_us", "{:.1f}"),
-                    ("split_us", "split_us", "{:.1f}"), ("split/bucketed", "split/bucketed", "{:.2f}"),
+                    ("fused_us", "fused_us", "{:.1f}"), ("fused/bucketed", "fused/bucketed", "{:.2f}"),
                     ("no_cmd_buffer_us", "no_cmdbuf_us", "{:.1f}"), ("eager_us", "eager_us", "{:.1f}"),
                     ("eager/bucketed", "eager/bucketed", "{:.2f}"), ("no_cmd/bucketed", "no_cmd/bucketed", "{:.2f}"),
                     ("same_drafts", "same_drafts", "{:.2f}")], rows)

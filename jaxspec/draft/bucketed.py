@@ -36,10 +36,10 @@ DRAFT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 
 def draft(aparams, target_embed, kv, pages: PageTables, cached_len, pending_token, seed_hidden, *,
-          acfg: AssistantConfig, target: TargetConfig, spec: CacheSpec, k: int, use_kernels: bool, fused: bool = True):
+          acfg: AssistantConfig, target: TargetConfig, spec: CacheSpec, k: int, use_kernels: bool, fused: bool = False):
     """k draft steps for a batch. cached_len, pending_token: i32[B]; seed_hidden: [B, H_target]. With kernels, the
-    step runs through the fused kernels (`propose_fused`) where the drafter's shapes allow and `fused`; otherwise the
-    jnp step with the attention kernel alone (`fused=False`: the path before the fused kernels, for benchmarks).
+    step is the jnp step with the attention kernel, or with `fused` (where the drafter's shapes allow) the fused
+    kernels' step (`propose_fused`; measured slower on the H200 so far, BENCHMARKS.md session 7: off by default).
 
     Returns (drafts i32[B, k], the last h_next [B, H_target]).
     """
@@ -78,7 +78,7 @@ class BucketedDrafter:
 
     def __init__(self, aparams, acfg: AssistantConfig, target_embed, cfg: TargetConfig, k: int, *,
                  buckets=DEFAULT_BUCKETS, seed_slots: int | None = None, use_kernels: bool = True,
-                 fused: bool = True, compiler_options: dict | None = None):
+                 fused: bool = False, compiler_options: dict | None = None):
         buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"draft buckets must be positive batch sizes, got {buckets}")

@@ -94,7 +94,7 @@ class Programs:
     draft_mode: str
     use_kernels: bool
     eos: tuple[int, ...]
-    fused_draft: bool = True  # the drafter step through its fused kernels (with kernels, where shapes allow)
+    fused_draft: bool = False  # the drafter step through its fused kernels (with kernels, where shapes allow)
 
     def _forward(self, weights: Weights, kv, pages: PageTables, tokens, cached_len, num_new):
         meta = step_metadata(self.cfg, self.spec, pages, cached_len, num_new, tokens.shape[1],

@@ -181,6 +181,28 @@ def test_bucketed_equals_eager_every_batch_size(pair, k):
     assert len({tuple(r) for r in want}) > 10
 
 
+@pytest.mark.parametrize("head", ["assistant", "assistant_plain"])
+def test_fused_step_equals_eager(head):
+    """The fused kernels' step (`propose_fused`, off by default) gives the eager path's draft ids at batch sizes on
+    both sides of a row block (16) and of the largest bucket, through both heads; h_next within H_ATOL."""
+    cfg, params = load_target(golden_path("e2b", "target"), "fp32")
+    acfg, aparams = load_assistant(golden_path("e2b", head), "fp32")
+    k = 3
+    cache, _, pt, cl, pending = random_state(cfg, 40, seed=4)
+    table = seed_table(acfg, 41, 4)
+    rows = np.arange(1, 41, dtype=np.int32)
+    eager = EagerDrafter(aparams, acfg, params["embed"], cfg, k)
+    eager.attach(cache)
+    want, want_h = eager.propose(pt, cl, pending, table, rows)
+    fused = BucketedDrafter(aparams, acfg, params["embed"], cfg, k, buckets=(4, 32), seed_slots=41, fused=True)
+    fused.attach(cache)
+    for n in (1, 3, 17, 32, 40):
+        got, got_h = fused.propose(pt[:n], cl[:n], pending[:n], table, rows[:n])
+        np.testing.assert_array_equal(got, want[:n], err_msg=f"batch size {n}")
+        np.testing.assert_allclose(got_h, want_h[:n], atol=H_ATOL, rtol=0)
+    assert len({tuple(r) for r in want}) > 10
+
+
 def test_calls_with_changing_tables_equal_eager_and_survive_rebuild(pair):
     """A sequence of calls on different states (no leaks between replays), then a pool rebuild to another size:
     the buckets are recompiled off the serving path and still equal eager."""
@@ -213,7 +235,7 @@ def test_calls_with_changing_tables_equal_eager_and_survive_rebuild(pair):
                                   eager.propose(pt, cl, pending, table, rows)[0])
 
 
-def _mismatch_rate(pair, monkeypatch, breakage):
+def _mismatch_rate(pair, monkeypatch, breakage, fused=False):
     cfg, params, acfg, aparams = pair
     k = 3
     cache, _, pt, cl, pending = random_state(cfg, 32, seed=11)
@@ -224,7 +246,7 @@ def _mismatch_rate(pair, monkeypatch, breakage):
     want, _ = eager.propose(pt, cl, pending, table, rows)
     with monkeypatch.context() as m:
         breakage(m)
-        broken = BucketedDrafter(aparams, acfg, params["embed"], cfg, k, buckets=(32,), seed_slots=33)
+        broken = BucketedDrafter(aparams, acfg, params["embed"], cfg, k, buckets=(32,), seed_slots=33, fused=fused)
         broken.attach(cache)
         got, _ = broken.propose(pt, cl, pending, table, rows)
     return np.mean(np.any(got != want, axis=1))
@@ -249,13 +271,14 @@ def test_comparison_catches_a_one_key_window(pair, monkeypatch):
     assert _mismatch_rate(pair, monkeypatch, one_key) > 0.3
 
 
-def test_comparison_catches_a_zeroed_pending_token(pair, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_comparison_catches_a_zeroed_pending_token(pair, monkeypatch, fused):
     def zero_pending(m):
         for name in ("propose", "propose_fused"):  # the jnp step and the fused kernels' step
             real = getattr(bucketed_mod, name)
             m.setattr(bucketed_mod, name,
                       lambda ap, ac, emb, pending, *a, real=real, **kw: real(ap, ac, emb, pending * 0, *a, **kw))
-    assert _mismatch_rate(pair, monkeypatch, zero_pending) > 0.3
+    assert _mismatch_rate(pair, monkeypatch, zero_pending, fused) > 0.3
 
 
 def bf16_step(x):

@@ -87,7 +87,7 @@ def test_fused_draft_lowers_to_triton(pair, batch):
     seed = jax.ShapeDtypeStruct((batch, cfg.hidden_size), jnp.bfloat16)
     fn = functools.partial(draft, acfg=acfg, target=cfg, spec=spec, k=k, use_kernels=True, fused=True)
     kernels = lower_for_cuda(fn, assistant, target["embed"], kv, pages, vec, vec, seed)
-    per_layer = ("draft_q_heads", "paged_attention", "draft_o_proj", "draft_mlp_up", "draft_mlp_down")
+    per_layer = ("draft_q_proj", "paged_attention", "draft_o_proj", "draft_mlp_up", "draft_mlp_down")
     for name in per_layer:
         assert kernels[name] == k * L, (name, kernels)
     assert kernels["draft_pre_projection"] == kernels["draft_final_projection"] == k
@@ -109,5 +109,5 @@ def test_decode_round_lowers_to_triton():
     slot = jax.ShapeDtypeStruct((batch,), jnp.int32)
     kernels = lower_for_cuda(programs.decode_rounds(1, False), Weights(target=target, assistant=assistant), kv, state,
                              slot, pages)
-    assert kernels["draft_q_heads"] == k * acfg.text.num_layers
+    assert kernels["draft_q_proj"] == k * acfg.text.num_layers
     assert {"paged_attention", "paged_attention_merge", "gather_kv_indices"} <= set(kernels)

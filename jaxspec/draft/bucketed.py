@@ -13,8 +13,6 @@ instead of stalling. Padded rows use the dummy page and cached_len 0 (they see n
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +22,6 @@ from jaxspec.config import AssistantConfig, TargetConfig
 from jaxspec.model.assistant import fused_supported, propose, propose_fused
 from jaxspec.paged_kv.cache import PagedKVCache, draft_attend, draft_attend_rows
 from jaxspec.paged_kv.metadata import CacheSpec, PageTables, draft_metadata
-from jaxspec.pallas.draft_layer import BLOCK_ROWS
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -44,20 +41,11 @@ def draft(aparams, target_embed, kv, pages: PageTables, cached_len, pending_toke
     Returns (drafts i32[B, k], the last h_next [B, H_target]).
     """
     types = acfg.text.layer_types
-    if use_kernels and fused and fused_supported(acfg):
-        # The fused kernels take whole blocks of rows: the batch is padded once, padding rows on the dummy page at
-        # cached_len 0 (they see no key); the attention still splits each live row's keys as for B rows.
-        B = cached_len.shape[0]
-        pad = -B % BLOCK_ROWS
-        pages = dataclasses.replace(pages, page_table=jnp.pad(pages.page_table, ((0, pad), (0, 0))))
-        cached_len, pending_token = jnp.pad(cached_len, (0, pad)), jnp.pad(pending_token, (0, pad))
-        seed_hidden = jnp.pad(seed_hidden, ((0, pad), (0, 0)))
-        meta = draft_metadata(spec, pages, cached_len, acfg.text.sliding_window, types, use_kernels=use_kernels)
-        attend = draft_attend_rows(target, acfg.text, meta, live_rows=B)
-        drafts, h = propose_fused(aparams, acfg, target_embed, pending_token, seed_hidden, cached_len,
-                                  lambda i, q: attend(kv, i, q), k=k)
-        return drafts[:B], h[:B]
     meta = draft_metadata(spec, pages, cached_len, acfg.text.sliding_window, types, use_kernels=use_kernels)
+    if use_kernels and fused and fused_supported(acfg):
+        attend = draft_attend_rows(target, acfg.text, meta)
+        return propose_fused(aparams, acfg, target_embed, pending_token, seed_hidden, cached_len,
+                             lambda i, q, rope: attend(kv, i, q, rope), k=k)
     attend = draft_attend(target, types, meta, use_kernels=use_kernels)
     return propose(aparams, acfg, target_embed, pending_token, seed_hidden, cached_len, attend, kv, k=k)
 

@@ -129,9 +129,10 @@ def fused_supported(acfg: AssistantConfig) -> bool:
 
 
 def fused_draft_hidden(aparams, acfg: AssistantConfig, target_embed, tokens, seed_hidden, rope_tables, attend_rows):
-    """`draft_hidden` through the fused kernels. tokens: i32[B]; seed_hidden: [B, Ht]; B a multiple of
-    `draft_layer.BLOCK_ROWS`. rope_tables: {layer type: (cos, sin) fp32 [B, D]}. attend_rows(i, q_rows) -> the
-    attention of drafter layer i in the same row layout. Returns (hn [B, Ha], h_next [B, Ht])."""
+    """`draft_hidden` through the fused kernels. tokens: i32[B]; seed_hidden: [B, Ht]; B = draft_layer.padded_rows(B).
+    rope_tables: {layer type: (cos, sin) fp32 [B, D]}. attend_rows(i, q, rope) -> the attention of drafter layer i in
+    the same row layout, q normed and rotated in the kernel (`paged_attention_rows`' rope). Returns (hn [B, Ha],
+    h_next [B, Ht])."""
     text = acfg.text
     eps = text.rms_norm_eps
     layers = aparams["layers"]
@@ -140,14 +141,12 @@ def fused_draft_hidden(aparams, acfg: AssistantConfig, target_embed, tokens, see
     for i in range(text.num_layers):
         group, j = text.group_of(i)
         w = layers[group]
-        t = text.layer_types[i]
-        D = text.layer_head_dim(i)
-        kvh = text.layer_kv_heads(i)
         _, rows = draft_layer_rows(text, i)
-        cos, sin = rope_tables[t]
-        q, x = draft_layer.q_heads(stream, w["norms"], j, w["q_proj"], w["q_norm"], cos, sin, num_kv_heads=kvh,
-                                   rows_per_kv_head=rows, eps=eps, prev=prev)
-        a = attend_rows(i, q)
+        q, q_swap, x = draft_layer.q_proj(stream, w["norms"], j, w["q_proj"], head_dim=text.layer_head_dim(i),
+                                          num_kv_heads=text.layer_kv_heads(i), rows_per_kv_head=rows, eps=eps,
+                                          prev=prev)
+        cos, sin = rope_tables[text.layer_types[i]]
+        a = attend_rows(i, q, (q_swap, w["q_norm"], j, cos, sin, eps))
         o = draft_layer.o_proj(a, w["o_proj"], j, num_heads=text.num_heads)
         m, x1 = draft_layer.mlp_up(x, o, w["norms"], w["gate_up"], j, eps=eps)
         d = draft_layer.mlp_down(m, w["down"], j)
@@ -165,10 +164,11 @@ def draft_layer_rows(text, i: int) -> tuple[int, int]:
 
 def propose_fused(aparams, acfg: AssistantConfig, target_embed, pending_token, seed_hidden, cached_len, attend_rows,
                   *, k: int):
-    """`propose` through `fused_draft_hidden`: the batch padded to whole row blocks once, RoPE tables built once (all
-    k steps sit at one position). Returns (drafts int32[B, k], last h_next [B, H_t])."""
+    """`propose` through `fused_draft_hidden`: the batch padded to the kernels' rows once (`draft_layer.padded_rows`;
+    padding rows are never attended: attend_rows covers the live rows), RoPE tables built once (all k steps sit at
+    one position). Returns (drafts int32[B, k], last h_next [B, H_t])."""
     B = pending_token.shape[0]
-    pad = -B % draft_layer.BLOCK_ROWS
+    pad = draft_layer.padded_rows(B) - B
     tokens = jnp.pad(pending_token, (0, pad))
     h = jnp.pad(seed_hidden, ((0, pad), (0, 0)))
     positions = jnp.pad(cached_len, (0, pad))

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jaxspec.config import FULL, TargetConfig
 from jaxspec.paged_kv.metadata import CacheSpec, StepMetadata
 from jaxspec.paged_kv.pool import PagePool
-from jaxspec.pallas.paged_attention import (default_splits, paged_attention, paged_attention_ref, paged_attention_rows,
-                                            query_rows, row_ranges)
+from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_ref, paged_attention_rows, query_rows,
+                                            row_ranges)
 
 MAX_KERNEL_QUERIES = 16  # q_len above this (prefill chunks) uses the XLA gather + dense attention path
 
@@ -131,15 +131,16 @@ def draft_attend(cfg: TargetConfig, layer_types, meta: dict, *, use_kernels: boo
     return attend
 
 
-def draft_attend_rows(cfg: TargetConfig, text: TargetConfig, meta: dict, *, live_rows: int):
-    """The fused drafter's attention (`jaxspec.model.assistant.fused_draft_hidden`): attend_rows(i, q_rows) for
+def draft_attend_rows(cfg: TargetConfig, text: TargetConfig, meta: dict):
+    """The fused drafter's attention (`jaxspec.model.assistant.fused_draft_hidden`): attend_rows(kv, i, q, rope) for
     drafter layer i (config `text`) over the target store layer of its type, queries and output in the kernel's row
-    layout. meta: {type: AttentionMetadata} (`draft_metadata`) of the padded batch; the row masks are built once per
-    type; each live row's keys are split as for a batch of `live_rows` (the padding rows see no key)."""
+    layout, q's norm and RoPE in the kernel (rope: `paged_attention_rows`'). meta: {type: AttentionMetadata}
+    (`draft_metadata`) of the live rows (the queries may have more: padding, left unattended); the row masks are
+    built once per type."""
     store = {t: len(cfg.kv_layers[t]) - 1 for t in cfg.kv_layers if cfg.kv_layers[t]}
     masks = {}
 
-    def attend_rows(kv, i, q_rows):
+    def attend_rows(kv, i, q, rope):
         t = text.layer_types[i]
         m = meta[t]
         G = text.num_heads // text.layer_kv_heads(i)
@@ -147,11 +148,7 @@ def draft_attend_rows(cfg: TargetConfig, text: TargetConfig, meta: dict, *, live
         if (t, G, rows) not in masks:
             masks[t, G, rows] = row_ranges(m.kv_start, m.q_lo, m.q_hi, G, rows, m.read.shape[1])
         row_lo, row_hi, span = masks[t, G, rows]
-        D = text.layer_head_dim(i)
-        block_k = 64 if D <= 128 else 32
-        splits = None if jax.default_backend() == "cpu" else default_splits(
-            live_rows, q_rows.shape[1], rows // block_q, m.read.shape[1], block_k)
-        return paged_attention_rows(q_rows, kv[t].k, kv[t].v, m.read, m.kv_start, row_lo, row_hi, span,
-                                    layer=store[t], block_q=block_q, block_k=block_k, num_splits=splits)
+        return paged_attention_rows(q, kv[t].k, kv[t].v, m.read, m.kv_start, row_lo, row_hi, span, layer=store[t],
+                                    block_q=block_q, rope=rope)
 
     return attend_rows

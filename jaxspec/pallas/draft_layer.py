@@ -5,20 +5,23 @@ A drafter step is ~70 XLA kernels of 1-5 µs when every norm, cast, transpose an
 bench/results/h200-trace-propose-bs1.json). Here each product carries what surrounds it, so a layer is five launches
 (q, attention, o, up, down) plus the attention's split merge:
 
-    pre_projection  x   = W_pre · [E_target[token]·√Ht, seed]
-    q_heads         x   = (x1 + norm(d)·n3) · layer_scalar          (the previous layer's residual, or x itself)
-                    q   = rope(norm_head(W_q · norm(x)·n0))         written straight in the attention's row layout
-    o_proj          o   = W_o · attention                            (the attention's row layout read as is)
-    mlp_up          x1  = x + norm(o)·n1;  m = gelu(W_g · norm(x1)·n2) * (W_u · norm(x1)·n2)
-    mlp_down        d   = W_d · m
-    final_projection hn = norm((x1 + norm(d)·n3) · layer_scalar)·n_final;  h_next = W_post · hn
+    pre_projection   x   = W_pre · [E_target[token]·√Ht, seed]
+    q_proj           x   = (x1 + norm(d)·n3) · layer_scalar         (the previous layer's residual, or x itself)
+                     q   = W_q · norm(x)·n0, and its RoPE partner   both straight in the attention's row layout
+    (attention)      q-norm and RoPE in the attention kernel's prologue (`paged_attention_rows(..., rope=...)`)
+    o_proj           o   = W_o · attention                           (the attention's row layout read as is)
+    mlp_up           x1  = x + norm(o)·n1;  m = gelu(W_g · norm(x1)·n2) * (W_u · norm(x1)·n2)
+    mlp_down         d   = W_d · m
+    final_projection hn  = norm((x1 + norm(d)·n3) · layer_scalar)·n_final;  h_next = W_post · hn
 
-Every program reads the whole (small) rows it normalises and one slice of the weight; a norm needs the full row, so
-a split product cannot normalise its own output: the next kernel does, in its prologue. Rows come in blocks of
-`BLOCK_ROWS` (tt.dot needs M >= 16): callers pad the batch to a multiple. Values are rounded to the compute dtype
-exactly where the reference rounds (each product's output, each norm's, each residual sum), so bf16 results differ
-from the reference only by summation order. Weight stacks are read at a static layer index through the BlockSpecs
-(no slice copies). Shapes: `supported` says which drafter geometries these kernels take; others use the reference.
+Every program reads the whole (small) rows it normalises and a few rows of the weight (4 to 16), so a product spreads
+over 32 to 256 programs that each stream a few KB, the way XLA's small reduce fusions do; the rows are multiplied by
+broadcast and sum (not `tt.dot`, whose 16-row tiles would be 1/16 used at batch 1). A norm needs the full row, so a
+split product cannot normalise its own output: the next kernel does, in its prologue. Values are rounded to the
+compute dtype exactly where the reference rounds (each product's output, each norm's, each residual sum), so bf16
+results differ from the reference only by summation order. Weight stacks are read at a static layer index through
+the BlockSpecs (no slice copies). Rows: the batch padded to `padded_rows` (a power of two below 16, a multiple of 16
+above); `supported` says which drafter geometries these kernels take (others use the reference step).
 """
 
 from __future__ import annotations
@@ -37,7 +40,13 @@ from jaxspec.model.layers import gelu_tanh, linear, rms_norm, sqrt_scale
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
 
-BLOCK_ROWS = 16
+MAX_BLOCK_ROWS = 16
+TILE = 8192  # elements of a program's [rows, weight rows, chunk] product: its registers
+
+
+def padded_rows(n: int) -> int:
+    """Rows the kernels take for a batch of n: the next power of two below 16, a multiple of 16 from there."""
+    return 1 << max(n - 1, 0).bit_length() if n < MAX_BLOCK_ROWS else -(-n // MAX_BLOCK_ROWS) * MAX_BLOCK_ROWS
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -50,10 +59,10 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 def supported(hidden: int, head_dims, intermediate: int, backbone_hidden: int) -> bool:
     """Whether the kernels take this drafter: power-of-two hidden size and head dims (whole rows are loaded as one
-    tile), and product sizes with power-of-two blocks of at least 16 (Triton's dot)."""
+    tile; a head's halves are whole weight blocks), and product sizes with power-of-two blocks."""
     pow2 = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
-    return (pow2(hidden) and all(pow2(d) for d in head_dims) and _pow2_divisor(intermediate, 64) >= 16
-            and _pow2_divisor(backbone_hidden, 64) >= 16)
+    return (pow2(hidden) and all(pow2(d) for d in head_dims) and intermediate % 8 == 0
+            and _pow2_divisor(backbone_hidden, 16) == 16)
 
 
 def _interpret(interpret):
@@ -64,10 +73,15 @@ def _params(num_warps=4, num_stages=2):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _dot(x, w):
-    """x [M, K] · w[N, K]ᵀ in fp32 (full fp32 precision for fp32 operands)."""
-    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
+def _block_rows(B: int) -> int:
+    if B != padded_rows(B):
+        raise ValueError(f"{B} rows: pad the batch to padded_rows({B}) = {padded_rows(B)}")
+    return min(B, MAX_BLOCK_ROWS)
+
+
+def _chunk_size(K: int, rows: int, weight_rows: int) -> int:
+    """Columns a program multiplies at once: [rows, weight_rows, chunk] fits TILE elements."""
+    return _pow2_divisor(K, max(16, TILE // (rows * weight_rows)))
 
 
 def _inv_rms(xf, eps):
@@ -80,85 +94,93 @@ def _round(x, dtype):
     return x.astype(dtype).astype(jnp.float32)
 
 
-def _chunk(ref, k0, block_k):
-    """Columns [k0, k0 + block_k) of a [M, K] ref (or of a [K] vector ref) in fp32."""
+def _cols(ref, k0, size):
+    """Columns [k0, k0 + size) of a [M, K] ref (or of a [K] vector ref, as [1, size]) in fp32."""
     if len(ref.shape) == 1:
-        return ref[pl.ds(k0, block_k)].astype(jnp.float32)[None, :]
-    return ref[:, pl.ds(k0, block_k)].astype(jnp.float32)
+        return ref[pl.ds(k0, size)].astype(jnp.float32)[None, :]
+    return ref[:, pl.ds(k0, size)].astype(jnp.float32)
+
+
+def _products(x_cols, weights, *, K: int, block_k: int, rows: int):
+    """Σ over column chunks of x [rows, chunk] (fp32, already rounded as the reference's operand) times each weight
+    chunk [N, chunk]: one fp32 [rows, N] accumulator per weight. x_cols(k0): the rows' columns; weights: functions
+    k0 -> [N, chunk]."""
+    def body(j, accs):
+        k0 = pl.multiple_of(j * block_k, block_k)
+        x = x_cols(k0)[:, None, :]
+        return tuple(acc + jnp.sum(x * w(k0).astype(jnp.float32)[None, :, :], axis=2) for acc, w in zip(accs, weights))
+
+    init = tuple(jnp.zeros((rows, w(0).shape[0]), jnp.float32) for w in weights)
+    return lax.fori_loop(0, K // block_k, body, init)
 
 
 class _Stream:
     """The residual stream entering a layer or the final norm, by column chunks: x itself, or the previous layer's
     output (x1 + norm(d)·n3) · layer_scalar, rounded as `decoder_layer` rounds it. Products read their weights in
-    column chunks (a whole [D, H] weight tile does not fit a program's registers), so the rows are rebuilt chunk by
-    chunk from their refs, with each norm's row scale taken once from the whole row."""
+    column chunks, so the rows are rebuilt chunk by chunk from their refs, each norm's row scale taken once from the
+    whole row."""
 
     def __init__(self, x_ref, d_ref=None, n3_ref=None, scale=None, *, eps, dtype):
         self.x_ref, self.d_ref, self.n3_ref, self.dtype = x_ref, d_ref, n3_ref, dtype
         if d_ref is not None:
             self.r_d = _inv_rms(d_ref[...].astype(jnp.float32), eps)
             self.scale = _round(scale, dtype)
-        self.full = self.chunk(0, x_ref.shape[1])  # [M, H] fp32
+        self.full = self.cols(0, x_ref.shape[1])  # [M, H] fp32
 
-    def chunk(self, k0, block_k):
-        x = _chunk(self.x_ref, k0, block_k)
+    def cols(self, k0, size):
+        x = _cols(self.x_ref, k0, size)
         if self.d_ref is None:
             return x
-        y = _round(_chunk(self.d_ref, k0, block_k) * self.r_d * _chunk(self.n3_ref, k0, block_k), self.dtype)
+        y = _round(_cols(self.d_ref, k0, size) * self.r_d * _cols(self.n3_ref, k0, size), self.dtype)
         return _round(_round(x + y, self.dtype) * self.scale, self.dtype)
 
-
-def _normed_products(chunk, weights, r, norm_ref, *, hidden, block_k, dtype, acc_shapes):
-    """Σ over column chunks of norm(x)·n [M, bk] (in the compute dtype) times each weight chunk: one fp32 [M, N]
-    accumulator per weight. chunk(k0, bk): the rows' columns; r: their row scale; weights: functions k0 -> [N, bk]."""
-    def body(j, accs):
-        k0 = pl.multiple_of(j * block_k, block_k)
-        h = (chunk(k0, block_k) * r * _chunk(norm_ref, k0, block_k)).astype(dtype)
-        return tuple(acc + _dot(h, w(k0)) for acc, w in zip(accs, weights))
-
-    init = tuple(jnp.zeros(shape, jnp.float32) for shape in acc_shapes)
-    return lax.fori_loop(0, hidden // block_k, body, init)
+    def normed(self, norm_ref, eps):
+        """cols(k0, size) of norm(stream)·n, rounded to the dtype (the product's operand)."""
+        r = _inv_rms(self.full, eps)
+        return lambda k0, size: _round(self.cols(k0, size) * r * _cols(norm_ref, k0, size), self.dtype)
 
 
 def _whole(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-# ---- pre_projection ----------------------------------------------------------------------------------------------------
+# ---- pre_projection --------------------------------------------------------------------------------------------------
 
 
 def _pre_kernel(tok_ref, seed_ref, emb_ref, w_ref, o_ref, *, scale, block_k, backbone):
-    tok = jnp.clip(tok_ref[...], 0, emb_ref.shape[0] - 1)  # [BM]; an id past the table must not read past it
+    tok = jnp.clip(tok_ref[...], 0, emb_ref.shape[0] - 1)  # [M]; an id past the table must not read past it
     dtype = o_ref.dtype
+    M = o_ref.shape[0]
 
-    def body(j, acc):
-        k0 = pl.multiple_of(j * block_k, block_k)
-        e = _round(emb_ref[tok, pl.ds(k0, block_k)].astype(jnp.float32) * scale, emb_ref.dtype).astype(dtype)
-        s = seed_ref[:, pl.ds(k0, block_k)].astype(dtype)
-        acc = acc + _dot(e, w_ref[:, pl.ds(k0, block_k)])
-        return acc + _dot(s, w_ref[:, pl.ds(backbone + k0, block_k)])
+    def emb_cols(k0):  # E_target[tok]·√Ht, rounded as the reference rounds it
+        e = emb_ref[tok, pl.ds(k0, block_k)].astype(jnp.float32) * scale
+        return _round(_round(e, emb_ref.dtype), dtype)
 
-    acc = lax.fori_loop(0, backbone // block_k, body, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = acc.astype(dtype)
+    (acc_e,) = _products(emb_cols, (lambda k0: w_ref[:, pl.ds(k0, block_k)],), K=backbone, block_k=block_k, rows=M)
+    (acc_s,) = _products(lambda k0: _round(_cols(seed_ref, k0, block_k), dtype),
+                         (lambda k0: w_ref[:, pl.ds(backbone + k0, block_k)],), K=backbone, block_k=block_k, rows=M)
+    o_ref[...] = (acc_e + acc_s).astype(dtype)
 
 
 def pre_projection(tokens, seed, target_embed, w_pre, *, interpret=None):
     """x [B, H] = W_pre · concat(E_target[tokens] · √Ht, seed). tokens: i32[B]; seed: [B, Ht]; target_embed: [V, Ht];
-    w_pre: [H, 2 Ht]. B a multiple of BLOCK_ROWS."""
+    w_pre: [H, 2 Ht]. B = padded_rows(B)."""
     B, Ht = seed.shape
     H = w_pre.shape[0]
-    if tokens.shape != (B,) or B % BLOCK_ROWS:
-        raise ValueError(f"tokens {tokens.shape} and seed rows {B} must agree and be a multiple of {BLOCK_ROWS}")
-    bn, bk = 16, _pow2_divisor(Ht, 128)
+    M = _block_rows(B)
+    if tokens.shape != (B,):
+        raise ValueError(f"tokens {tokens.shape} and seed rows {B} must agree")
+    bn = 4
+    bk = _pow2_divisor(Ht, max(16, TILE // (M * bn)))
     scale = float(np.float32(np.sqrt(Ht)).astype(target_embed.dtype))  # `sqrt_scale`, on the host
     kernel = functools.partial(_pre_kernel, scale=scale, block_k=bk, backbone=Ht)
     return pl.pallas_call(
-        kernel, grid=(B // BLOCK_ROWS, H // bn),
-        in_specs=[pl.BlockSpec((BLOCK_ROWS,), lambda i, n: (i,)),
-                  pl.BlockSpec((BLOCK_ROWS, Ht), lambda i, n: (i, 0)),
+        kernel, grid=(B // M, H // bn),
+        in_specs=[pl.BlockSpec((M,), lambda i, n: (i,)),
+                  pl.BlockSpec((M, Ht), lambda i, n: (i, 0)),
                   _whole(target_embed.shape),
                   pl.BlockSpec((bn, 2 * Ht), lambda i, n: (n, 0))],
-        out_specs=pl.BlockSpec((BLOCK_ROWS, bn), lambda i, n: (i, n)),
+        out_specs=pl.BlockSpec((M, bn), lambda i, n: (i, n)),
         out_shape=jax.ShapeDtypeStruct((B, H), w_pre.dtype),
         compiler_params=_params(), interpret=_interpret(interpret), name="draft_pre_projection",
     )(tokens.astype(jnp.int32), seed, target_embed, w_pre)
@@ -171,81 +193,75 @@ def pre_projection_ref(tokens, seed, target_embed, w_pre, *, interpret=None):
     return linear(jnp.concatenate([emb.astype(dtype), seed.astype(dtype)], axis=-1), w_pre)
 
 
-# ---- q_heads ----------------------------------------------------------------------------------------------------------
+# ---- q_proj ------------------------------------------------------------------------------------------------------------
+
+Q_ROWS = 8  # weight rows a q program multiplies: divides every head's half
 
 
 def _q_kernel(*refs, eps, chained, dtype, block_k):
     if chained:
-        x1_ref, d_ref, n3_ref, ls_ref, n0_ref, w_ref, qn_ref, cos_ref, sin_ref, q_ref, x_ref = refs
+        x1_ref, d_ref, n3_ref, ls_ref, n0_ref, w_ref, q_ref, qs_ref, x_ref = refs
         stream = _Stream(x1_ref, d_ref, n3_ref, ls_ref[0], eps=eps, dtype=dtype)
     else:
-        x_ref, n0_ref, w_ref, qn_ref, cos_ref, sin_ref, q_ref = refs
+        x_ref, n0_ref, w_ref, q_ref, qs_ref = refs
         stream = _Stream(x_ref, eps=eps, dtype=dtype)
-    D, H = w_ref.shape
-    M = stream.full.shape[0]
-    # RoPE's rotate-half partner of column j is column (j + D/2) % D, negated in the first half: the partner columns
-    # come from the same weight rows in permuted order (no register shuffle), through the same norm.
-    perm = (lax.iota(jnp.int32, D) + D // 2) % D
-    sign = jnp.where(lax.iota(jnp.int32, D) < D // 2, -1.0, 1.0).astype(jnp.float32)
-    q, q_partner = _normed_products(
-        stream.chunk, (lambda k0: w_ref[:, pl.ds(k0, block_k)], lambda k0: w_ref[perm, pl.ds(k0, block_k)]),
-        _inv_rms(stream.full, eps), n0_ref, hidden=H, block_k=block_k, dtype=dtype, acc_shapes=[(M, D)] * 2)
-    q, q_partner = _round(q, dtype), _round(q_partner, dtype)
-    r = _inv_rms(q, eps)
-    q = _round(q * r * qn_ref[...][None, :], dtype)
-    q_partner = _round(q_partner * r * qn_ref[perm][None, :], dtype)
-    q_ref[...] = (q * cos_ref[...] + sign[None, :] * q_partner * sin_ref[...]).astype(q_ref.dtype)
+    normed = stream.normed(n0_ref, eps)
+    (q,) = _products(lambda k0: normed(k0, block_k), (lambda k0: w_ref[:, pl.ds(k0, block_k)],), K=w_ref.shape[1],
+                     block_k=block_k, rows=q_ref.shape[0])
+    q = q.astype(q_ref.dtype)
+    q_ref[...] = q
+    qs_ref[...] = q  # the same values at the rotate-half partner's columns (the out BlockSpec's shift)
     if chained:
         @pl.when(pl.program_id(1) == 0)
         def _():
             x_ref[...] = stream.full.astype(x_ref.dtype)
 
 
-def q_heads(stream, norms, layer, w_q, q_norm, cos, sin, *, num_kv_heads, rows_per_kv_head, eps, prev=None,
-            interpret=None):
-    """The layer's queries, normed and rotated, in the attention kernel's row layout, and the layer input x.
+def q_proj(stream, norms, layer, w_q, *, head_dim, num_kv_heads, rows_per_kv_head, eps, prev=None, interpret=None):
+    """The layer's raw query projections in the attention kernel's row layout, their RoPE partners, and the layer
+    input x. The attention kernel norms and rotates them (`paged_attention_rows(..., rope=...)`).
 
     stream: x [B, H] (the first layer), or (x1, d) of the previous layer with prev = (norms_prev, layer_prev,
     layer_scalar_prev) to apply its residual first. norms: [L, 4, H] fp32 stack (norms[layer, 0] is the input norm);
-    w_q: [L, NH·D, H]; q_norm: [L, D]; cos, sin: fp32 [B, D] (RoPE of each row's position, `rope_tables`).
-    Returns (q_rows [B, KVH, rows_per_kv_head, D]: head h = kvh·G + g in row g of kv head kvh, rows G.. unwritten;
-    x [B, H]).
+    w_q: [L, NH·D, H]. Returns (q, q_swap [B, KVH, rows_per_kv_head, D]: head h = kvh·G + g in row g of kv head kvh,
+    rows G.. unwritten; q_swap[..., j] = q[..., (j + D/2) % D]; x [B, H]).
     """
     chained = prev is not None
-    D = q_norm.shape[-1]
+    D = head_dim
     NH = w_q.shape[1] // D
     G = NH // num_kv_heads
-    if chained:
-        x1, d = stream
-        norms_prev, layer_prev, scalar_prev = prev
-    else:
-        x1 = stream
+    x1, d = stream if chained else (stream, None)
     B, H = x1.shape
+    M = _block_rows(B)
     dtype = w_q.dtype
-    rows = lambda i, h: (i, 0)  # noqa: E731
-    q_spec = pl.BlockSpec((BLOCK_ROWS, None, None, D), lambda i, h: (i, h // G, h % G, 0))
-    w_specs = [pl.BlockSpec((None, None, H), lambda i, h: (layer, 0, 0)),
-               pl.BlockSpec((None, D, H), lambda i, h: (layer, h, 0)),
-               pl.BlockSpec((None, D), lambda i, h: (layer, 0)),
-               pl.BlockSpec((BLOCK_ROWS, D), rows), pl.BlockSpec((BLOCK_ROWS, D), rows)]
+    per_head = D // Q_ROWS
+    rows = lambda i, n: (i, 0)  # noqa: E731
+
+    def q_block(shift):
+        def index(i, n):
+            h, c = n // per_head, n % per_head
+            return i, h // G, h % G, (c + shift) % per_head
+        return pl.BlockSpec((M, None, None, Q_ROWS), index)
+
+    w_specs = [pl.BlockSpec((None, None, H), lambda i, n: (layer, 0, 0)),
+               pl.BlockSpec((None, Q_ROWS, H), lambda i, n: (layer, n, 0))]
     q_shape = jax.ShapeDtypeStruct((B, num_kv_heads, rows_per_kv_head, D), dtype)
-    # two [rows, D] fp32 accumulators and a [D, block_k] weight chunk (twice, permuted) per program: at D = 512 a
-    # narrower chunk and more warps keep both in registers and shared memory
-    block_k = _pow2_divisor(H, 32 if D >= 512 else 64)
-    kernel = functools.partial(_q_kernel, eps=eps, chained=chained, dtype=dtype, block_k=block_k)
-    call = functools.partial(pl.pallas_call, kernel, grid=(B // BLOCK_ROWS, NH),
-                             compiler_params=_params(num_warps=8 if D >= 512 else 4),
-                             interpret=_interpret(interpret), name="draft_q_heads")
+    out_specs, out_shape = [q_block(0), q_block(per_head // 2)], [q_shape, q_shape]
+    kernel = functools.partial(_q_kernel, eps=eps, chained=chained, dtype=dtype,
+                               block_k=_chunk_size(H, M, Q_ROWS))
+    call = functools.partial(pl.pallas_call, kernel, grid=(B // M, NH * per_head), compiler_params=_params(),
+                             interpret=_interpret(interpret), name="draft_q_proj")
     if not chained:
-        q = call(in_specs=[pl.BlockSpec((BLOCK_ROWS, H), rows), *w_specs], out_specs=q_spec, out_shape=q_shape)(
-            x1, norms, w_q, q_norm, cos, sin)
-        return q, x1
-    in_specs = [pl.BlockSpec((BLOCK_ROWS, H), rows), pl.BlockSpec((BLOCK_ROWS, H), rows),
-                pl.BlockSpec((None, None, H), lambda i, h: (layer_prev, 3, 0)),
-                pl.BlockSpec((1,), lambda i, h: (layer_prev,)), *w_specs]
-    return call(in_specs=in_specs, out_specs=[q_spec, pl.BlockSpec((BLOCK_ROWS, H), rows)],
-                out_shape=[q_shape, jax.ShapeDtypeStruct((B, H), dtype)])(
-        x1, d, norms_prev, scalar_prev, norms, w_q, q_norm, cos, sin)
+        q, q_swap = call(in_specs=[pl.BlockSpec((M, H), rows), *w_specs], out_specs=out_specs, out_shape=out_shape)(
+            x1, norms, w_q)
+        return q, q_swap, x1
+    norms_prev, layer_prev, scalar_prev = prev
+    in_specs = [pl.BlockSpec((M, H), rows), pl.BlockSpec((M, H), rows),
+                pl.BlockSpec((None, None, H), lambda i, n: (layer_prev, 3, 0)),
+                pl.BlockSpec((1,), lambda i, n: (layer_prev,)), *w_specs]
+    return tuple(call(in_specs=in_specs, out_specs=[*out_specs, pl.BlockSpec((M, H), rows)],
+                      out_shape=[*out_shape, jax.ShapeDtypeStruct((B, H), dtype)])(
+        x1, d, norms_prev, scalar_prev, norms, w_q))
 
 
 def residual_ref(x1, d, norms, layer, layer_scalar, eps):
@@ -254,23 +270,28 @@ def residual_ref(x1, d, norms, layer, layer_scalar, eps):
     return x * layer_scalar[layer].astype(x.dtype)
 
 
-def q_heads_ref(stream, norms, layer, w_q, q_norm, cos, sin, *, num_kv_heads, rows_per_kv_head, eps, prev=None,
-                interpret=None):
-    """The reference: `decoder_layer`'s query path, RoPE as `apply_rope` computes it from the same cos / sin tables;
-    rows G.. of each kv head are zero."""
+def q_proj_ref(stream, norms, layer, w_q, *, head_dim, num_kv_heads, rows_per_kv_head, eps, prev=None,
+               interpret=None):
+    """The reference (rows G.. of each kv head zero)."""
     del interpret
     x = stream if prev is None else residual_ref(*stream, prev[0], prev[1], prev[2], eps)
     B, H = x.shape
-    D = q_norm.shape[-1]
+    D = head_dim
     NH = w_q.shape[1] // D
-    h = rms_norm(x, norms[layer, 0], eps)
-    q = rms_norm(linear(h, w_q[layer]).reshape(B, NH, D), q_norm[layer], eps)
+    G = NH // num_kv_heads
+    q = linear(rms_norm(x, norms[layer, 0], eps), w_q[layer]).reshape(B, num_kv_heads, G, D)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, rows_per_kv_head - G), (0, 0)))
+    return q, jnp.roll(q, -(D // 2), axis=-1), x
+
+
+def norm_rope_ref(q, q_norm, layer, cos, sin, eps):
+    """What the attention kernel's prologue makes of `q_proj`'s output (the reference of `_norm_rope`): `decoder_layer`'s
+    q-norm and `apply_rope` from the same tables. q: [B, KVH, R, D]; cos, sin fp32 [B, D]."""
+    q = rms_norm(q, q_norm[layer], eps)
+    D = q.shape[-1]
     qf = q.astype(cos.dtype)
     rot = jnp.concatenate([-qf[..., D // 2:], qf[..., : D // 2]], axis=-1)
-    q = (qf * cos[:, None, :] + rot * sin[:, None, :]).astype(q.dtype)
-    G = NH // num_kv_heads
-    q = q.reshape(B, num_kv_heads, G, D)
-    return jnp.pad(q, ((0, 0), (0, 0), (0, rows_per_kv_head - G), (0, 0))), x
+    return (qf * cos[:, None, None, :] + rot * sin[:, None, None, :]).astype(q.dtype)
 
 
 def rope_tables(positions, inv_freq):
@@ -280,16 +301,20 @@ def rope_tables(positions, inv_freq):
     return jnp.cos(emb), jnp.sin(emb)
 
 
-# ---- o_proj -----------------------------------------------------------------------------------------------------------
+# ---- o_proj -------------------------------------------------------------------------------------------------------------
 
 
-def _o_kernel(a_ref, w_ref, o_ref, *, num_kv_heads, group, head_dim):
-    acc = jnp.zeros(o_ref.shape, jnp.float32)
+def _o_kernel(a_ref, w_ref, o_ref, *, num_kv_heads, group, head_dim, block_k):
+    dtype = o_ref.dtype
+    accs = []
     for kvh in range(num_kv_heads):
         for g in range(group):
             h = kvh * group + g
-            acc = acc + _dot(a_ref[:, kvh, g, :], w_ref[:, pl.ds(h * head_dim, head_dim)])
-    o_ref[...] = acc.astype(o_ref.dtype)
+            accs.append(_products(
+                lambda k0, kvh=kvh, g=g: _round(a_ref[:, kvh, g, pl.ds(k0, block_k)].astype(jnp.float32), dtype),
+                (lambda k0, h=h: w_ref[:, pl.ds(h * head_dim + k0, block_k)],), K=head_dim, block_k=block_k,
+                rows=o_ref.shape[0])[0])
+    o_ref[...] = sum(accs).astype(dtype)
 
 
 def o_proj(a_rows, w_o, layer, *, num_heads, interpret=None):
@@ -297,13 +322,15 @@ def o_proj(a_rows, w_o, layer, *, num_heads, interpret=None):
     NH·D]."""
     B, KVH, R, D = a_rows.shape
     H = w_o.shape[1]
-    bn = 16
-    kernel = functools.partial(_o_kernel, num_kv_heads=KVH, group=num_heads // KVH, head_dim=D)
+    M = _block_rows(B)
+    bn = 4
+    kernel = functools.partial(_o_kernel, num_kv_heads=KVH, group=num_heads // KVH, head_dim=D,
+                               block_k=_chunk_size(D, M, bn))
     return pl.pallas_call(
-        kernel, grid=(B // BLOCK_ROWS, H // bn),
-        in_specs=[pl.BlockSpec((BLOCK_ROWS, KVH, R, D), lambda i, n: (i, 0, 0, 0)),
+        kernel, grid=(B // M, H // bn),
+        in_specs=[pl.BlockSpec((M, KVH, R, D), lambda i, n: (i, 0, 0, 0)),
                   pl.BlockSpec((None, bn, w_o.shape[2]), lambda i, n: (layer, n, 0))],
-        out_specs=pl.BlockSpec((BLOCK_ROWS, bn), lambda i, n: (i, n)),
+        out_specs=pl.BlockSpec((M, bn), lambda i, n: (i, n)),
         out_shape=jax.ShapeDtypeStruct((B, H), w_o.dtype),
         compiler_params=_params(), interpret=_interpret(interpret), name="draft_o_proj",
     )(a_rows, w_o)
@@ -323,15 +350,16 @@ def _up_kernel(x_ref, o_ref, n1_ref, n2_ref, wg_ref, wu_ref, m_ref, x1_ref, *, e
     dtype = m_ref.dtype
     r_o = _inv_rms(o_ref[...].astype(jnp.float32), eps)
 
-    def x1_chunk(k0, bk):  # x + norm(o)·n1, rounded as decoder_layer rounds it
-        y = _round(_chunk(o_ref, k0, bk) * r_o * _chunk(n1_ref, k0, bk), dtype)
-        return _round(_chunk(x_ref, k0, bk) + y, dtype)
+    def x1_cols(k0, size):  # x + norm(o)·n1, rounded as decoder_layer rounds it
+        y = _round(_cols(o_ref, k0, size) * r_o * _cols(n1_ref, k0, size), dtype)
+        return _round(_cols(x_ref, k0, size) + y, dtype)
 
     H = x_ref.shape[1]
-    x1 = x1_chunk(0, H)
-    g, u = _normed_products(
-        x1_chunk, (lambda k0: wg_ref[:, pl.ds(k0, block_k)], lambda k0: wu_ref[:, pl.ds(k0, block_k)]),
-        _inv_rms(x1, eps), n2_ref, hidden=H, block_k=block_k, dtype=dtype, acc_shapes=[m_ref.shape] * 2)
+    x1 = x1_cols(0, H)
+    r2 = _inv_rms(x1, eps)
+    g, u = _products(lambda k0: _round(x1_cols(k0, block_k) * r2 * _cols(n2_ref, k0, block_k), dtype),
+                     (lambda k0: wg_ref[:, pl.ds(k0, block_k)], lambda k0: wu_ref[:, pl.ds(k0, block_k)]),
+                     K=H, block_k=block_k, rows=m_ref.shape[0])
     m_ref[...] = (gelu_tanh(_round(g, dtype)) * _round(u, dtype)).astype(dtype)
 
     @pl.when(pl.program_id(1) == 0)
@@ -344,16 +372,17 @@ def mlp_up(x, o, norms, gate_up, layer, *, eps, interpret=None):
     gate_up: [L, 2I, H] (gate rows first). Returns (m [B, I], x1 [B, H])."""
     B, H = x.shape
     I = gate_up.shape[1] // 2
-    bn = _pow2_divisor(I, 64)
-    rows = pl.BlockSpec((BLOCK_ROWS, H), lambda i, n: (i, 0))
+    M = _block_rows(B)
+    bn = 8
+    rows = pl.BlockSpec((M, H), lambda i, n: (i, 0))
     return pl.pallas_call(
-        functools.partial(_up_kernel, eps=eps, block_k=_pow2_divisor(H, 64)), grid=(B // BLOCK_ROWS, I // bn),
+        functools.partial(_up_kernel, eps=eps, block_k=_chunk_size(H, M, 2 * bn)), grid=(B // M, I // bn),
         in_specs=[rows, rows,
                   pl.BlockSpec((None, None, H), lambda i, n: (layer, 1, 0)),
                   pl.BlockSpec((None, None, H), lambda i, n: (layer, 2, 0)),
                   pl.BlockSpec((None, bn, H), lambda i, n: (layer, n, 0)),
                   pl.BlockSpec((None, bn, H), lambda i, n: (layer, n + I // bn, 0))],
-        out_specs=[pl.BlockSpec((BLOCK_ROWS, bn), lambda i, n: (i, n)), rows],
+        out_specs=[pl.BlockSpec((M, bn), lambda i, n: (i, n)), rows],
         out_shape=[jax.ShapeDtypeStruct((B, I), gate_up.dtype), jax.ShapeDtypeStruct((B, H), gate_up.dtype)],
         compiler_params=_params(), interpret=_interpret(interpret), name="draft_mlp_up",
     )(x, o, norms, norms, gate_up, gate_up)
@@ -369,24 +398,24 @@ def mlp_up_ref(x, o, norms, gate_up, layer, *, eps, interpret=None):
 
 
 def _down_kernel(m_ref, w_ref, d_ref, *, block_k):
-    def body(j, acc):
-        k0 = pl.multiple_of(j * block_k, block_k)
-        return acc + _dot(m_ref[:, pl.ds(k0, block_k)], w_ref[:, pl.ds(k0, block_k)])
-
-    acc = lax.fori_loop(0, m_ref.shape[1] // block_k, body, jnp.zeros(d_ref.shape, jnp.float32))
-    d_ref[...] = acc.astype(d_ref.dtype)
+    dtype = d_ref.dtype
+    (acc,) = _products(lambda k0: _round(_cols(m_ref, k0, block_k), dtype),
+                       (lambda k0: w_ref[:, pl.ds(k0, block_k)],), K=m_ref.shape[1], block_k=block_k,
+                       rows=d_ref.shape[0])
+    d_ref[...] = acc.astype(dtype)
 
 
 def mlp_down(m, down, layer, *, interpret=None):
     """d [B, H] = W_d · m. m: [B, I]; down: [L, H, I]."""
     B, I = m.shape
     H = down.shape[1]
-    bn, bk = 16, _pow2_divisor(I, 256)
+    M = _block_rows(B)
+    bn = 4
     return pl.pallas_call(
-        functools.partial(_down_kernel, block_k=bk), grid=(B // BLOCK_ROWS, H // bn),
-        in_specs=[pl.BlockSpec((BLOCK_ROWS, I), lambda i, n: (i, 0)),
+        functools.partial(_down_kernel, block_k=_chunk_size(I, M, bn)), grid=(B // M, H // bn),
+        in_specs=[pl.BlockSpec((M, I), lambda i, n: (i, 0)),
                   pl.BlockSpec((None, bn, I), lambda i, n: (layer, n, 0))],
-        out_specs=pl.BlockSpec((BLOCK_ROWS, bn), lambda i, n: (i, n)),
+        out_specs=pl.BlockSpec((M, bn), lambda i, n: (i, n)),
         out_shape=jax.ShapeDtypeStruct((B, H), down.dtype),
         compiler_params=_params(), interpret=_interpret(interpret), name="draft_mlp_down",
     )(m, down)
@@ -403,14 +432,14 @@ def mlp_down_ref(m, down, layer, *, interpret=None):
 def _final_kernel(x1_ref, d_ref, n3_ref, ls_ref, nf_ref, w_ref, h_ref, hn_ref, *, eps, block_k):
     dtype = h_ref.dtype
     stream = _Stream(x1_ref, d_ref, n3_ref, ls_ref[0], eps=eps, dtype=dtype)
-    r = _inv_rms(stream.full, eps)
-    (h,) = _normed_products(stream.chunk, (lambda k0: w_ref[:, pl.ds(k0, block_k)],), r, nf_ref,
-                            hidden=x1_ref.shape[1], block_k=block_k, dtype=dtype, acc_shapes=[h_ref.shape])
+    normed = stream.normed(nf_ref, eps)
+    (h,) = _products(lambda k0: normed(k0, block_k), (lambda k0: w_ref[:, pl.ds(k0, block_k)],),
+                     K=x1_ref.shape[1], block_k=block_k, rows=h_ref.shape[0])
     h_ref[...] = h.astype(dtype)
 
     @pl.when(pl.program_id(1) == 0)
     def _():
-        hn_ref[...] = (stream.full * r * nf_ref[...][None, :]).astype(hn_ref.dtype)
+        hn_ref[...] = normed(0, x1_ref.shape[1]).astype(hn_ref.dtype)
 
 
 def final_projection(x1, d, norms, layer, layer_scalar, final_norm, w_post, *, eps, interpret=None):
@@ -418,16 +447,17 @@ def final_projection(x1, d, norms, layer, layer_scalar, final_norm, w_post, *, e
     norms, layer_scalar: the last layer's stacks ([L, 4, H], [L]) and its index; w_post: [Ht, H]."""
     B, H = x1.shape
     Ht = w_post.shape[0]
-    bn = _pow2_divisor(Ht, 64)
-    rows = pl.BlockSpec((BLOCK_ROWS, H), lambda i, n: (i, 0))
+    M = _block_rows(B)
+    bn = 16
+    rows = pl.BlockSpec((M, H), lambda i, n: (i, 0))
     h_next, hn = pl.pallas_call(
-        functools.partial(_final_kernel, eps=eps, block_k=_pow2_divisor(H, 64)), grid=(B // BLOCK_ROWS, Ht // bn),
+        functools.partial(_final_kernel, eps=eps, block_k=_chunk_size(H, M, bn)), grid=(B // M, Ht // bn),
         in_specs=[rows, rows,
                   pl.BlockSpec((None, None, H), lambda i, n: (layer, 3, 0)),
                   pl.BlockSpec((1,), lambda i, n: (layer,)),
                   _whole(final_norm.shape),
                   pl.BlockSpec((bn, H), lambda i, n: (n, 0))],
-        out_specs=[pl.BlockSpec((BLOCK_ROWS, bn), lambda i, n: (i, n)), rows],
+        out_specs=[pl.BlockSpec((M, bn), lambda i, n: (i, n)), rows],
         out_shape=[jax.ShapeDtypeStruct((B, Ht), w_post.dtype), jax.ShapeDtypeStruct((B, H), w_post.dtype)],
         compiler_params=_params(), interpret=_interpret(interpret), name="draft_final_projection",
     )(x1, d, norms, layer_scalar, final_norm, w_post)

@@ -35,7 +35,22 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer: int | None):
+def _norm_rope(q, q_swap, q_norm_ref, cos, sin, eps):
+    """The query prologue of the drafter's fused step: per-row RMSNorm times the q-norm weight, then RoPE, rounded
+    where `decoder_layer` rounds. q, q_swap: [rows, D] in the compute dtype, q_swap[:, j] = q[:, (j + D/2) % D] (the
+    rotate-half partner, stored so by the q projection); cos, sin: fp32 [D] of the row's position."""
+    dtype = q.dtype
+    D = q.shape[1]
+    qf, qs = q.astype(jnp.float32), q_swap.astype(jnp.float32)
+    r = lax.rsqrt(jnp.mean(qf * qf, axis=1, keepdims=True) + eps)
+    perm = (lax.iota(jnp.int32, D) + D // 2) % D
+    qn = (qf * r * q_norm_ref[...][None, :]).astype(dtype).astype(jnp.float32)
+    qsn = (qs * r * q_norm_ref[perm][None, :]).astype(dtype).astype(jnp.float32)
+    sign = jnp.where(lax.iota(jnp.int32, D) < D // 2, -1.0, 1.0).astype(jnp.float32)
+    return (qn * cos[None, :] + sign[None, :] * qsn * sin[None, :]).astype(dtype)
+
+
+def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer: int | None, rope_eps=None):
     """Program (b, h, row_block, split): unnormalised attention of one query block over one piece of live keys
     (num_splits == 1: the normalised output, in o_ref's dtype; a row that saw no key gets 0).
 
@@ -43,8 +58,14 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     row_lo_ref, row_hi_ref: int32[block_q] absolute position range each query row may see
     q_ref: [block_q, D]; k_ref, v_ref: [num_slots, KVH, D], or [L, num_slots, KVH, D] read at `layer`
     o_ref: fp32[block_q, D] accumulator, m_ref / l_ref: fp32[block_q] running max / sum (max -inf: no key seen)
+    With rope_eps, q_ref holds raw projections normed and rotated here (`_norm_rope`): qs_ref, qn_ref [D], cos_ref
+    and sin_ref [D] follow it.
     """
-    span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs = refs
+    if rope_eps is None:
+        span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs = refs
+    else:
+        (span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, qs_ref, qn_ref, cos_ref, sin_ref,
+         k_ref, v_ref, o_ref, *ml_refs) = refs
     b = pl.program_id(0)
     h = pl.program_id(1)
     split = pl.program_id(3)
@@ -60,6 +81,8 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     num_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
 
     q = q_ref[...]
+    if rope_eps is not None:
+        q = _norm_rope(q, qs_ref[...], qn_ref, cos_ref[...], sin_ref[...], rope_eps)
     row_lo = row_lo_ref[...][:, None]  # [block_q, 1]
     row_hi = row_hi_ref[...][:, None]
 
@@ -202,15 +225,21 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
 def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, *, scale: float = 1.0,
                          layer: int | None = None, block_k: int | None = None, block_q: int | None = None,
                          num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                         interpret: bool | None = None):
-    """`paged_attention` on queries already in the row layout (`query_rows`, `row_ranges`): q_rows [B, KVH, R, D],
-    row_lo / row_hi int32[B, R], span int32[B, 2]. Returns [B, KVH, R, D] in q_rows.dtype (padding rows 0). Callers
-    that produce and consume this layout themselves (the drafter's fused step) skip the transposes around it."""
-    B, KVH, padded_rows, D = q_rows.shape
+                         interpret: bool | None = None, rope=None):
+    """`paged_attention` on queries already in the row layout (`query_rows`, `row_ranges`): q_rows [Bq, KVH, R, D],
+    row_lo / row_hi int32[B, R], span int32[B, 2], B <= Bq: the first B rows are attended (more query rows may be
+    padding of their producer; those output rows are left unwritten). Returns [Bq, KVH, R, D] in q_rows.dtype
+    (padding query rows of a batch row: 0). Callers that produce and consume this layout themselves (the drafter's
+    fused step) skip the transposes around it.
+
+    rope: (q_swap [Bq, KVH, R, D], q_norm stack [L, D], its layer, cos, sin fp32 [Bq, D], eps) for raw projections
+    in q_rows, normed and rotated in the kernel (`_norm_rope`)."""
+    Bq, KVH, padded_rows, D = q_rows.shape
+    B = kv_indices.shape[0]
     width = kv_indices.shape[1]
-    if kv_indices.shape[0] != B or row_lo.shape != (B, padded_rows) or span.shape != (B, 2):
-        raise ValueError(f"metadata rows {kv_indices.shape[0]}, row masks {row_lo.shape}, span {span.shape} do not "
-                         f"match the queries' {B} rows x {padded_rows}")  # a program past them would read out of bounds
+    if B > Bq or row_lo.shape != (B, padded_rows) or span.shape != (B, 2):
+        raise ValueError(f"metadata rows {B}, row masks {row_lo.shape}, span {span.shape} do not fit the queries' "
+                         f"{Bq} rows x {padded_rows}")  # a program past them would read out of bounds
     if block_k is None:
         block_k = 64 if D <= 128 else 32
     if block_q is None:
@@ -229,7 +258,8 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
         num_splits = 2 if interpret else default_splits(B, KVH, row_blocks, width, block_k)
     num_splits = _next_pow2(num_splits)  # the merge kernel holds the splits in one power-of-two block
 
-    kernel = functools.partial(_attention_kernel, scale=scale, block_k=block_k, num_splits=num_splits, layer=layer)
+    kernel = functools.partial(_attention_kernel, scale=scale, block_k=block_k, num_splits=num_splits, layer=layer,
+                               rope_eps=None if rope is None else rope[5])
 
     def whole(shape):  # read by slot or row index inside the kernel
         return pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))
@@ -245,7 +275,12 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
         whole(k_cache.shape),
         whole(v_cache.shape),
     ]
-    args = (span, kv_start.astype(jnp.int32), kv_indices.astype(jnp.int32), row_lo, row_hi, q_rows, k_cache, v_cache)
+    args = [span, kv_start.astype(jnp.int32), kv_indices.astype(jnp.int32), row_lo, row_hi, q_rows, k_cache, v_cache]
+    if rope is not None:
+        q_swap, q_norm, q_norm_layer, cos, sin, _ = rope
+        row = pl.BlockSpec((None, D), lambda b, h, r, s: (b, 0))
+        in_specs[6:6] = [in_specs[5], pl.BlockSpec((None, D), lambda b, h, r, s: (q_norm_layer, 0)), row, row]
+        args[6:6] = [q_swap, q_norm, cos, sin]
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     if num_splits == 1:  # the program normalises: no partials, no merge
         return pl.pallas_call(
@@ -253,7 +288,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
             grid=(B, KVH, row_blocks, 1),
             in_specs=in_specs,
             out_specs=pl.BlockSpec((None, None, block_q, D), lambda b, h, r, s: (b, h, r, 0)),
-            out_shape=jax.ShapeDtypeStruct((B, KVH, padded_rows, D), q_rows.dtype),
+            out_shape=jax.ShapeDtypeStruct((Bq, KVH, padded_rows, D), q_rows.dtype),
             compiler_params=params,
             interpret=interpret,
             name="paged_attention",
@@ -285,7 +320,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
         in_specs=[pl.BlockSpec((None, None, num_splits, block_q, block_d), lambda b, h, r, d: (b, h, 0, r, d)),
                   split_rows, split_rows],
         out_specs=pl.BlockSpec((None, None, block_q, block_d), lambda b, h, r, d: (b, h, r, d)),
-        out_shape=jax.ShapeDtypeStruct((B, KVH, padded_rows, D), q_rows.dtype),
+        out_shape=jax.ShapeDtypeStruct((Bq, KVH, padded_rows, D), q_rows.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="paged_attention_merge",

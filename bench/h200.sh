@@ -205,21 +205,22 @@ s7-tests)  # issue #14's GPU lane for the fused drafter step: its kernels agains
     tests/test_drafter.py tests/test_kernels.py tests/test_engine.py::test_speculative_greedy_is_lossless} \
     > "$OUT/tests.txt" 2>&1
   grep -E "^bf16|passed|failed|Error" "$OUT/tests.txt" | tail -15 ;;
-s7-propose)  # issue #14: E4B propose at 4K, the fused step against the split step (the path before it) and eager, side
-  # by side; the fused bs-1 propose traced (launches, kernel time), then the split one
+s7-propose)  # issue #14: E4B propose at 4K, the fused step against the default (bucketed) step and eager, side by
+  # side; the fused bs-1 propose traced (launches, kernel time), then the default one
   XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout 330 python3 -m jaxspec.bench propose \
-    --bs 1,4,16,64 --ctx 4096 --variants bucketed,split,eager --eager-iters 3 --profile-dir /tmp/pp \
+    --bs 1,4,16,64 --ctx 4096 --variants fused,bucketed,eager --eager-iters 3 --profile-dir /tmp/pp \
     --json "$OUT/propose.json" > "$OUT/propose.log" 2>&1
   timeout 60 python3 -m jaxspec.bench trace /tmp/pp --rounds 20 --top 30 --json "$OUT/propose-trace.json" \
     >> "$OUT/propose.log" 2>&1
   XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout 120 python3 -m jaxspec.bench propose --bs 1 \
-    --ctx 4096 --variants split --profile-dir /tmp/pp2 --json "$OUT/propose-split.json" > "$OUT/propose-split.log" 2>&1
-  timeout 60 python3 -m jaxspec.bench trace /tmp/pp2 --rounds 20 --top 10 --json "$OUT/propose-split-trace.json" \
-    >> "$OUT/propose-split.log" 2>&1
+    --ctx 4096 --variants bucketed --profile-dir /tmp/pp2 --json "$OUT/propose-default.json" \
+    > "$OUT/propose-default.log" 2>&1
+  timeout 60 python3 -m jaxspec.bench trace /tmp/pp2 --rounds 20 --top 10 --json "$OUT/propose-default-trace.json" \
+    >> "$OUT/propose-default.log" 2>&1
   grep -A7 "^ctx  bs" "$OUT/propose.log"; grep -h "all kernels\|launches\|Error" "$OUT"/propose*.log | head ;;
-s7-e4b)  # issue #13/#14: the engine on the E4B random pair, bs 1, 1K prompt: plain, the fused draft and the split one
+s7-e4b)  # issue #13/#14: the engine on the E4B random pair, bs 1, 1K prompt: plain, the default draft and the fused one
   XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${E2E_TIMEOUT:-400} python3 -m jaxspec.bench \
-    e2e --bs 1 --prompt-len 1024 --modes off,bucketed,bucketed-split --rounds-per-call 1 --overlap on \
+    e2e --bs 1 --prompt-len 1024 --modes off,bucketed,bucketed-fused --rounds-per-call 1 --overlap on \
     --profile-dir /tmp/prof --json "$OUT/e2e-e4b-1k-bs1.json" > "$OUT/e2e-e4b.log" 2>&1
   grep "^e2e bs\|^trace\|Error" "$OUT/e2e-e4b.log" | head -20 ;;
 s7-convert)  # assemble the carried GGUF (.gg0-.gg3, xz) and convert it without its tokenizer (prompt ids in); unpack

@@ -77,9 +77,9 @@ def mixed_prompts(cfg, n, seed):
 @pytest.fixture(scope="session")
 def plain_reference():
     """Plain greedy decoding of the target alone (draft off, one round per call, no overlap: the simplest path) for
-    the 190 prompts of the lossless sweeps."""
+    the 250 prompts of the lossless sweeps."""
     cfg, params, _, _ = pair()
-    prompts = mixed_prompts(cfg, 190, seed=0)
+    prompts = mixed_prompts(cfg, 250, seed=0)
     eng = Engine(cfg, params, draft_mode="off", buckets=(1, 4, 16), max_running=16, page_size=4, max_context=96,
                  prefill_chunk=8, rounds_per_call=1, overlap=False)
     outs, _ = run(eng, prompts, dataclasses.replace(GREEDY, max_new_tokens=20))

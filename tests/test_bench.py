@@ -76,10 +76,13 @@ def test_memory(tmp_path):
     assert first["with_swa_bytes"] == first["full_bytes"] + first["swa_pages"] * 16 * 40960
 
 
-def test_bad_sizes_exit_2():
+@pytest.mark.parametrize("argv", [["kernels", "--bs", "1,x"], ["propose", "--variants", "bucketed,split"],
+                                  ["e2e", "--modes", "off,bucketed-foo"]])
+def test_bad_lists_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
-        bench.main(["kernels", "--bs", "1,x"])
+        bench.main(argv)
     assert e.value.code == 2
+    assert argv[-1] in capsys.readouterr().err  # the error names what was given
 
 
 def test_verify(tmp_path):

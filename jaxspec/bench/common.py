@@ -199,6 +199,16 @@ def positive(text: str) -> int:
     return n
 
 
+def names_from(allowed: tuple[str, ...]):
+    """An argument type: a comma-separated list of names, each one of `allowed`, in the order given."""
+    def parse(text: str) -> list[str]:
+        words = text.split(",")
+        if not words or not set(words) <= set(allowed):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(allowed)}, got {text!r}")
+        return words
+    return parse
+
+
 def sizes(text: str) -> list[int]:
     """'1,16,64' or '4K,128K' (K = 1024) -> a list of positive ints."""
     try:

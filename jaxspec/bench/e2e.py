@@ -14,9 +14,10 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxspec.bench import trace
-from jaxspec.bench.common import PRESET_NAMES, positive, print_table, sizes
+from jaxspec.bench.common import PRESET_NAMES, names_from, positive, print_table, sizes
 from jaxspec.config import AssistantConfig, ConfigError, TargetConfig, bench_pair
 from jaxspec.engine import Engine, Request, SamplingParams
+from jaxspec.engine.config import DRAFT_MODES
 from jaxspec.model.weights import random_assistant_params, random_target_params
 
 
@@ -41,8 +42,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=PRESET_NAMES, default="E4B")
     p.add_argument("--bs", type=sizes, default=[1, 4, 16], help="requests running together (one bucket each)")
     p.add_argument("--requests", type=positive, help="requests to run (default: bs), at most bs of them at once")
-    p.add_argument("--modes", default="off,eager,bucketed", help="draft modes to compare (also bucketed-fused: "
-                   "bucketed with the drafter's fused kernels)")
+    p.add_argument("--modes", type=names_from((*DRAFT_MODES, "bucketed-fused")), default="off,eager,bucketed",
+                   help="draft modes to compare (also bucketed-fused: bucketed with the drafter's fused kernels)")
     p.add_argument("--rounds-per-call", type=sizes, help="rounds per compiled call, a row each (default: the "
                    "engine's own; passed to the Engine only when given)")
     p.add_argument("--overlap", type=on_off, help="launch round n+1 before reading round n: on, off or on,off, a "
@@ -138,7 +139,7 @@ def run(args) -> dict:
     rows, plain = result["rows"], {}
     for bs in args.bs:
         prompts = make_prompts(args.requests or bs)
-        runs = [(mode, k, r, o) for mode in args.modes.split(",") for k in (args.k[:1] if mode == "off" else args.k)
+        runs = [(mode, k, r, o) for mode in args.modes for k in (args.k[:1] if mode == "off" else args.k)
                 for r, o in itertools.product(args.rounds_per_call or [None], args.overlap or [None])]
         for mode, k, rounds_per_call, overlap in runs:
             settings = {"k": k if len(args.k) > 1 and mode != "off" else None, "rounds_per_call": rounds_per_call,

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 
 from jaxspec.bench.common import (DTYPE, NUM_SETS, PRESET_NAMES, median_dispatch_us, median_us, memory_note,
-                                  paged_cache, positive, print_table, profile_calls, ratio, request_groups, sizes)
+                                  names_from, paged_cache, positive, print_table, profile_calls, ratio,
+                                  request_groups, sizes)
 from jaxspec.config import bench_pair
 from jaxspec.draft.bucketed import BucketedDrafter
 from jaxspec.draft.eager import EagerDrafter
@@ -21,6 +22,7 @@ from jaxspec.model.weights import random_assistant_params
 from jaxspec.paged_kv.cache import PagedKVCache
 
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+VARIANTS = ("bucketed", "fused", "no_cmd_buffer", "eager")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -30,7 +32,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bs", type=sizes, default=[1, 4, 16, 64], help="batch sizes, each a compiled bucket")
     p.add_argument("--ctx", type=sizes, default=[4096, 32768], help="cached_len of every request")
     p.add_argument("--chunk", type=positive, default=256, help="prefill chunk: the pool's max_step_tokens")
-    p.add_argument("--variants", default="bucketed,fused,eager",
+    p.add_argument("--variants", type=names_from(VARIANTS), default="bucketed,fused,eager",
                    help="drafters to time: bucketed (the jnp step with the attention kernel, the default), fused (the "
                    "fused kernels' step), no_cmd_buffer (bucketed without command buffers), eager; the first one is "
                    "traced with --profile-dir")
@@ -55,7 +57,7 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
     note = memory_note(cache.kv)
     print(f"ctx {ctx}: {num_requests} requests; {note}")
     kw = dict(buckets=args.bs, seed_slots=num_requests + 1)
-    variants = args.variants.split(",")
+    variants = list(args.variants)
     make = {"bucketed": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw),
             "fused": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, fused=True, **kw),
             "no_cmd_buffer": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw,

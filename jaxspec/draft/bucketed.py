@@ -36,7 +36,8 @@ def draft(aparams, target_embed, kv, pages: PageTables, cached_len, pending_toke
           acfg: AssistantConfig, target: TargetConfig, spec: CacheSpec, k: int, use_kernels: bool, fused: bool = False):
     """k draft steps for a batch. cached_len, pending_token: i32[B]; seed_hidden: [B, H_target]. With kernels, the
     step is the jnp step with the attention kernel, or with `fused` (where the drafter's shapes allow) the fused
-    kernels' step (`propose_fused`; measured slower on the H200 so far, BENCHMARKS.md session 7: off by default).
+    kernels' step (`propose_fused`; off by default: its first version was slower on the H200, BENCHMARKS.md
+    session 7).
 
     Returns (drafts i32[B, k], the last h_next [B, H_target]).
     """

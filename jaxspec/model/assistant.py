@@ -8,16 +8,16 @@
            | argmax over the top-k centroids' tokens  centroid head (`use_ordered_embeddings`)
 
 The eager and bucketed drafters (`jaxspec.draft`) both call `propose`; they differ only in how it is driven and
-where the attention metadata comes from. With kernels on, the bucketed path runs the same step through the fused
-Pallas kernels of `jaxspec.pallas.draft_layer` (`fused_draft_hidden`): the same math and the same roundings, ~6
-launches a layer instead of ~15, equal to `draft_hidden` up to summation order (tests/test_drafter.py).
+where the attention metadata comes from. The bucketed path can also run the same step through the fused Pallas
+kernels of `jaxspec.pallas.draft_layer` (`propose_fused`, `fused=True`): the same math and the same roundings, ~6
+launches a layer instead of ~15, equal to `draft_hidden` up to summation order (tests/test_drafter.py); off by
+default, since its first version was slower on the H200 (BENCHMARKS.md, session 7).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
 import numpy as np
 
 from jaxspec.config import AssistantConfig, rope_inv_freq

@@ -260,8 +260,9 @@ def test_saved_checkpoint_loads_packs_and_unpacks(tiny, trained, tmp_path, monke
     zero = np.ones(cfg.vocab_size, bool)
     zero[t["kept"]] = False
     # its head is mostly zero rows: loaded in compact form too, the kept rows and the first zero row
-    np.testing.assert_array_equal(np.asarray(loaded["head_ids"]), np.append(np.sort(t["kept"]), np.flatnonzero(zero)[0]))
-    np.testing.assert_array_equal(np.asarray(loaded["head_rows"])[:-1], np.asarray(aparams["embed"])[np.sort(t["kept"])])
+    kept = np.sort(t["kept"])
+    np.testing.assert_array_equal(np.asarray(loaded["head_ids"]), np.append(kept, np.flatnonzero(zero)[0]))
+    np.testing.assert_array_equal(np.asarray(loaded["head_rows"])[:-1], np.asarray(aparams["embed"])[kept])
     assert not np.any(np.asarray(loaded["embed"])[zero])
     assert np.all(np.any(np.asarray(loaded["embed"])[t["kept"]] != 0, axis=1))
     # pack (small files, to exercise tensor splitting) -> unpack: byte-identical folder

@@ -132,7 +132,9 @@ def test_kernel_bf16_within_rounding(name):
     kernel, ref, case = CASES[name]
     rng = np.random.default_rng(7)
     args, kw = case(rng)
-    to_bf16 = lambda a: a.astype(jnp.bfloat16) if getattr(a, "dtype", None) == jnp.float32 and a.ndim >= 2 else a  # noqa: E731
+    def to_bf16(a):
+        return a.astype(jnp.bfloat16) if getattr(a, "dtype", None) == jnp.float32 and a.ndim >= 2 else a
+
     args = jax.tree.map(to_bf16, args)
     kw = {k: jax.tree.map(to_bf16, v) for k, v in kw.items()}
     for g, w in zip(outputs(kernel(*args, **kw)), outputs(ref(*args, **kw))):

@@ -163,8 +163,8 @@ def _pre_kernel(tok_ref, seed_ref, emb_ref, w_ref, o_ref, *, scale, block_k, bac
 
 
 def pre_projection(tokens, seed, target_embed, w_pre, *, interpret=None):
-    """x [B, H] = W_pre · concat(E_target[tokens] · √Ht, seed). tokens: i32[B]; seed: [B, Ht]; target_embed: [V, Ht];
-    w_pre: [H, 2 Ht]. B = padded_rows(B)."""
+    """x [B, H] = W_pre · concat(E_target[tokens] · √Ht, seed). tokens: i32[B]; seed: [B, Ht];
+    target_embed: [V, Ht]; w_pre: [H, 2 Ht]. B = padded_rows(B)."""
     B, Ht = seed.shape
     H = w_pre.shape[0]
     M = _block_rows(B)
@@ -193,7 +193,7 @@ def pre_projection_ref(tokens, seed, target_embed, w_pre, *, interpret=None):
     return linear(jnp.concatenate([emb.astype(dtype), seed.astype(dtype)], axis=-1), w_pre)
 
 
-# ---- q_proj ------------------------------------------------------------------------------------------------------------
+# ---- q_proj ----------------------------------------------------------------------------------------------------------
 
 Q_ROWS = 8  # weight rows a q program multiplies: divides every head's half
 
@@ -285,8 +285,8 @@ def q_proj_ref(stream, norms, layer, w_q, *, head_dim, num_kv_heads, rows_per_kv
 
 
 def norm_rope_ref(q, q_norm, layer, cos, sin, eps):
-    """What the attention kernel's prologue makes of `q_proj`'s output (the reference of `_norm_rope`): `decoder_layer`'s
-    q-norm and `apply_rope` from the same tables. q: [B, KVH, R, D]; cos, sin fp32 [B, D]."""
+    """What the attention kernel's prologue makes of `q_proj`'s output (the reference of `_norm_rope`):
+    `decoder_layer`'s q-norm and `apply_rope` from the same tables. q: [B, KVH, R, D]; cos, sin fp32 [B, D]."""
     q = rms_norm(q, q_norm[layer], eps)
     D = q.shape[-1]
     qf = q.astype(cos.dtype)
@@ -301,7 +301,7 @@ def rope_tables(positions, inv_freq):
     return jnp.cos(emb), jnp.sin(emb)
 
 
-# ---- o_proj -------------------------------------------------------------------------------------------------------------
+# ---- o_proj ----------------------------------------------------------------------------------------------------------
 
 
 def _o_kernel(a_ref, w_ref, o_ref, *, num_kv_heads, group, head_dim, block_k):
@@ -343,7 +343,7 @@ def o_proj_ref(a_rows, w_o, layer, *, num_heads, interpret=None):
     return linear(a, w_o[layer])
 
 
-# ---- mlp_up / mlp_down ------------------------------------------------------------------------------------------------
+# ---- mlp_up / mlp_down -----------------------------------------------------------------------------------------------
 
 
 def _up_kernel(x_ref, o_ref, n1_ref, n2_ref, wg_ref, wu_ref, m_ref, x1_ref, *, eps, block_k):
@@ -426,7 +426,7 @@ def mlp_down_ref(m, down, layer, *, interpret=None):
     return linear(m, down[layer])
 
 
-# ---- final_projection -------------------------------------------------------------------------------------------------
+# ---- final_projection ------------------------------------------------------------------------------------------------
 
 
 def _final_kernel(x1_ref, d_ref, n3_ref, ls_ref, nf_ref, w_ref, h_ref, hn_ref, *, eps, block_k):

@@ -166,10 +166,11 @@ def query_rows(num_queries: int, group: int, head_dim: int, block_q: int | None 
 
 
 def default_splits(rows: int, kv_heads: int, row_blocks: int, width: int, block_k: int) -> int:
-    """Pieces of each row's live range: about two programs per SM of an H200 (132), at most 64 pieces per row and no
-    more than the width has blocks of keys (a sliding window's table is narrow). `rows`: the batch rows that have
-    keys (rows padded in after them see none and exit at once)."""
-    return max(1, min(64, _next_pow2(max(1, 264 // (rows * kv_heads * row_blocks))), _next_pow2(pl.cdiv(width, block_k))))
+    """Pieces of each row's live range on a GPU: about two programs per SM of an H200 (132), at most 64 pieces per
+    row and no more than the width has blocks of keys (a sliding window's table is narrow). (The CPU interpreter
+    runs programs one after another: there `paged_attention_rows` takes a couple of pieces.)"""
+    per_row = _next_pow2(max(1, 264 // (rows * kv_heads * row_blocks)))
+    return max(1, min(64, per_row, _next_pow2(pl.cdiv(width, block_k))))
 
 
 def row_ranges(kv_start, q_lo, q_hi, group: int, padded_rows: int, width: int):

@@ -18,7 +18,8 @@ import pytest
 
 from conftest import golden_path
 from jaxspec import corpus
-from jaxspec.config import check_pair
+from jaxspec.config import ConfigError, check_pair
+from jaxspec.distill import data as data_mod
 from jaxspec.distill import objective
 from jaxspec.distill.__main__ import main as distill_main
 from jaxspec.distill.data import build_dataset, draft_targets, kept_vocabulary
@@ -305,15 +306,49 @@ def test_cli_end_to_end_and_resume(tiny, trained, tmp_path, capsys):
     first = digest(out)
     packed.unpack_assistant(os.path.join(out, "packed"), str(tmp_path / "unpacked"))
     assert digest(str(tmp_path / "unpacked")) == first
-    assert distill_main(argv) == 0
-    assert json.load(open(os.path.join(out, "distill.json")))["train"]["resumed_from_step"] == TC.steps
+    # the resumed run reads the continuations a --data-only run saved, and generates none itself: its held-out
+    # evaluation (of the same weights) must come out the same
+    conts = str(tmp_path / "conts.npz")
+    assert distill_main(argv + ["--continuations", conts, "--data-only"]) == 0
+    assert "continuations of 64 / 64 train and 16 / 16 held-out prompts" in capsys.readouterr().out
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(data_mod, "_greedy", None)  # any generation would fail
+        assert distill_main(argv + ["--continuations", conts]) == 0
+    again = json.load(open(os.path.join(out, "distill.json")))
+    assert again["train"]["resumed_from_step"] == TC.steps
+    assert again["final"] == report["final"]
     assert digest(out)["model.safetensors"] == first["model.safetensors"]
     capsys.readouterr()
     assert distill_main(argv + ["--assistant-hidden", "16"]) == 2  # another run's checkpoint: one line, exit 2
     assert "does not match this run" in capsys.readouterr().err
 
 
+def test_saved_continuations_are_the_generated_ones(tiny, tmp_path):
+    """greedy_continuations with a saved file: rows found in it are the freshly generated rows (the fixture's data,
+    generated without a file), rows not in it are generated, and a deadline already past starts no batch."""
+    t = tiny
+    path, key = str(tmp_path / "c.npz"), "target-fp32"
+    fresh = np.asarray(t["data"]["tokens"])[:, PROMPT_LEN:]
+    known = {}
+    _, done = data_mod.greedy_continuations(t["params"], t["cfg"], t["prompts"][:64], NEW, 16, known=known,
+                                            deadline=0.0)
+    assert not done.any() and not known
+    conts, done = data_mod.greedy_continuations(t["params"], t["cfg"], t["prompts"][:32], NEW, 16, known=known,
+                                                on_batch=lambda: data_mod.save_continuations(path, key, NEW, known))
+    assert done.all() and len(known) == 32
+    np.testing.assert_array_equal(conts, fresh[:32])
+    loaded = data_mod.load_continuations(path, key, NEW)
+    conts, done = data_mod.greedy_continuations(t["params"], t["cfg"], t["prompts"][:64], NEW, 16, known=loaded)
+    assert done.all() and len(loaded) == 64
+    np.testing.assert_array_equal(conts, fresh)
+    with pytest.raises(ConfigError, match="continuations of another run"):
+        data_mod.load_continuations(path, key, NEW + 1)
+    with pytest.raises(ConfigError, match="continuations of another run"):
+        data_mod.load_continuations(path, "other-fp32", NEW)
+
+
 @pytest.mark.parametrize("bad,message", [
+    (["--data-only"], "--data-only writes the continuations to a file"),
     (["--keep-vocab", "0"], "--keep-vocab must be >= 1"),
     (["--new-tokens", "3"], "needs >= k + 1"),
     (["--patience", "-1"], "--patience and --max-per-source must be >= 0 and --time-limit > 0"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import os
 import sys
 import time
@@ -20,7 +21,8 @@ import numpy as np
 from jaxspec import corpus
 from jaxspec.cli import Parser, run_cli
 from jaxspec.config import ConfigError, TargetConfig, check_pair
-from jaxspec.distill.data import build_dataset, draft_targets, kept_vocabulary
+from jaxspec.distill.data import (build_dataset, draft_targets, greedy_continuations, kept_vocabulary,
+                                  load_continuations, save_continuations)
 from jaxspec.distill.export import export_params, kept_view, save_hf_folder, write_report
 from jaxspec.distill.objective import vocab_head
 from jaxspec.distill.train import TrainConfig, TrainContext, checkpoint_vocabulary, evaluate, init_params, train
@@ -69,6 +71,10 @@ def parse_args(argv=None):
                    "once the run has taken this many seconds")
     p.add_argument("--dtype", default=None, help="forward dtype bf16 or fp32 (default: bf16 on a GPU, fp32 on the CPU)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--continuations", default=None, help="a file of the target's greedy continuations (.npz): rows "
+                   "found there are not generated again, new rows are added to it batch by batch")
+    p.add_argument("--data-only", action="store_true", help="generate the continuations into --continuations and "
+                   "stop (with --time-limit: no new batch after it); a later run with the same file trains on them")
     return p.parse_args(argv)
 
 
@@ -84,6 +90,8 @@ def _check_args(args) -> None:
         raise ConfigError("--lr and --clip must be > 0; --warmup, --weight-decay and --eval-every >= 0")
     if args.patience < 0 or args.max_per_source < 0 or (args.time_limit is not None and not args.time_limit > 0):
         raise ConfigError("--patience and --max-per-source must be >= 0 and --time-limit > 0")
+    if args.data_only and not args.continuations:
+        raise ConfigError("--data-only writes the continuations to a file: give --continuations FILE")
     if args.heldout_out and args.prompts:
         raise ConfigError("--heldout-out writes corpus prompts as text; it needs --corpus, not --prompts")
 
@@ -123,9 +131,39 @@ def _prompts(args, cfg: TargetConfig) -> tuple[list, list, str, dict]:
     return train_ids, held_ids, source, {split: dict(sorted(c.items())) for split, c in counts.items()}
 
 
+def target_fingerprint(model_dir: str, cfg: TargetConfig, dtype_name: str) -> str:
+    """What a saved continuation depends on: the target's config, its weight files (names and sizes) and the dtype."""
+    h = hashlib.sha256(repr(cfg).encode())
+    for f in sorted(os.listdir(model_dir)):
+        if f.endswith((".safetensors", ".json")):
+            h.update(f"{f}:{os.path.getsize(os.path.join(model_dir, f))};".encode())
+    return f"{h.hexdigest()[:16]}-{dtype_name}"
+
+
+def _continuations(args, cfg, tparams, dtype_name, *prompt_sets, deadline=None):
+    """[(int32[N, new_tokens], bool[N] filled)] for each prompt set, in order: read from and added to
+    --continuations where given; generated up to `deadline` (every row without one)."""
+    if not args.continuations:
+        return [greedy_continuations(tparams, cfg, ids, args.new_tokens, args.gen_batch) for ids in prompt_sets]
+    key = target_fingerprint(args.model, cfg, dtype_name)
+    known = load_continuations(args.continuations, key, args.new_tokens)
+    t0, before = time.perf_counter(), len(known)
+
+    def save():
+        save_continuations(args.continuations, key, args.new_tokens, known)
+        if not args.quiet:
+            print(f"{len(known) - before} new continuations ({len(known)} in the file) after "
+                  f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+    return [greedy_continuations(tparams, cfg, ids, args.new_tokens, args.gen_batch, known=known, deadline=deadline,
+                                 on_batch=save) for ids in prompt_sets]
+
+
 def run(args) -> int:
     started = time.monotonic()
     _check_args(args)
+    if args.continuations and os.path.isdir(args.continuations):
+        raise ConfigError(f"--continuations {args.continuations} is a folder; give a file")
     dtype_name = args.dtype or ("fp32" if jax.default_backend() == "cpu" else "bf16")
     dtype = compute_dtype(dtype_name)
     cfg, tparams = load_target(args.model, dtype)
@@ -139,9 +177,18 @@ def run(args) -> int:
         f"from {source}; {jax.default_backend()} {dtype_name}")
 
     t0 = time.perf_counter()
+    deadline = started + args.time_limit if args.data_only and args.time_limit else None
+    conts = _continuations(args, cfg, tparams, dtype_name, held_ids, train_ids, deadline=deadline)
+    if args.data_only:
+        (held_c, held_done), (train_c, train_done) = conts
+        print(f"continuations of {train_done.sum()} / {len(train_ids)} train and {held_done.sum()} / {len(held_ids)} "
+              f"held-out prompts ({args.new_tokens} tokens each) in {args.continuations}; "
+              f"{time.perf_counter() - t0:.1f} s")
+        return 0
+    (held_c, _), (train_c, _) = conts
     types = tuple(sorted(set(acfg.text.layer_types)))
-    train_data = build_dataset(tparams, cfg, train_ids, args.new_tokens, types, args.gen_batch)
-    held_data = build_dataset(tparams, cfg, held_ids, args.new_tokens, types, args.gen_batch)
+    train_data = build_dataset(tparams, cfg, train_ids, args.new_tokens, types, args.gen_batch, continuations=train_c)
+    held_data = build_dataset(tparams, cfg, held_ids, args.new_tokens, types, args.gen_batch, continuations=held_c)
     jax.block_until_ready(held_data)
     t_data = time.perf_counter() - t0
     log(f"data: {len(train_ids) + len(held_ids)} sequences of up to {train_data['tokens'].shape[1]} tokens in "

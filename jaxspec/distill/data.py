@@ -4,12 +4,15 @@ prompt + continuation, the post-norm hidden and the store-layer K/V at every pos
 from __future__ import annotations
 
 import functools
+import json
+import os
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.config import TargetConfig
+from jaxspec.config import ConfigError, TargetConfig
 from jaxspec.model import gemma4
 
 
@@ -52,24 +55,54 @@ def padded_batches(n: int, batch: int):
         yield rows, np.concatenate([rows, np.zeros(batch - len(rows), np.int64)])
 
 
-def build_dataset(params, cfg: TargetConfig, prompts: list[list[int]], new_tokens: int, types, batch: int) -> dict:
+def greedy_continuations(params, cfg: TargetConfig, prompts: list[list[int]], new_tokens: int, batch: int, *,
+                         known: dict | None = None, deadline: float | None = None, on_batch=None):
+    """The target's greedy continuations int32[N, new_tokens] of prompts and bool[N]: which rows are filled.
+
+    Rows whose prompt is in `known` ({tuple(prompt): int32[new_tokens]}, from `load_continuations`) are taken from
+    it; the rest are generated `batch` at a time (one compiled program per prompt length), each new row added to
+    `known`, and `on_batch()` called after each batch (to save them). Past `deadline` (time.monotonic()) no new
+    batch starts: the rows not reached stay unfilled."""
+    known = {} if known is None else known
+    N = len(prompts)
+    conts, done = np.zeros((N, new_tokens), np.int32), np.zeros(N, bool)
+    for i, p in enumerate(prompts):
+        c = known.get(tuple(p))
+        if c is not None:
+            conts[i], done[i] = c, True
+    todo = np.flatnonzero(~done)
+    prompt_len = np.asarray([len(prompts[i]) for i in todo], np.int32)
+    for P in sorted(set(prompt_len.tolist())):
+        idx = todo[prompt_len == P]
+        group = np.asarray([prompts[i] for i in idx], np.int32)
+        for rows, padded in padded_batches(len(idx), batch):
+            if deadline is not None and time.monotonic() > deadline:
+                return conts, done
+            out = np.asarray(_greedy(params, cfg, jnp.asarray(group[padded]), new_tokens))[: len(rows)]
+            conts[idx[rows]], done[idx[rows]] = out, True
+            known.update((tuple(prompts[i]), c) for i, c in zip(idx[rows], out))
+            if on_batch is not None:
+                on_batch()
+    return conts, done
+
+
+def build_dataset(params, cfg: TargetConfig, prompts: list[list[int]], new_tokens: int, types, batch: int, *,
+                  continuations: np.ndarray | None = None) -> dict:
     """Sequences ready for training, as device arrays:
 
     tokens int32[N, T] (prompt + greedy continuation, zero-padded; T = longest prompt + new_tokens),
     prompt_len int32[N], end int32[N] (the last position a draft may target: the continuation's end or its first
     EOS), hidden [N, T, H], '{type}_k' / '{type}_v' [N, T, KVH, d] for each store type in `types`.
+    `continuations` int32[N, new_tokens]: the greedy continuations when they are known (`greedy_continuations`).
     """
+    if continuations is None:
+        continuations, _ = greedy_continuations(params, cfg, prompts, new_tokens, batch)
     N, L = len(prompts), max(len(p) for p in prompts)
     T = L + new_tokens
     tokens = np.zeros((N, T), np.int32)
     prompt_len = np.asarray([len(p) for p in prompts], np.int32)
-    for P in sorted(set(prompt_len.tolist())):  # one compiled program per prompt length
-        idx = np.flatnonzero(prompt_len == P)
-        group = np.asarray([prompts[i] for i in idx], np.int32)
-        for rows, padded in padded_batches(len(idx), batch):
-            out = np.asarray(_greedy(params, cfg, jnp.asarray(group[padded]), new_tokens))
-            tokens[idx[rows], :P] = group[rows]
-            tokens[idx[rows][:, None], P + np.arange(new_tokens)] = out[: len(rows)]
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)], tokens[i, len(p): len(p) + new_tokens] = p, continuations[i]
     pos = np.arange(T)[None, :]
     cont = (pos >= prompt_len[:, None]) & (pos < prompt_len[:, None] + new_tokens)
     eos = cont & np.isin(tokens, list(cfg.eos_token_ids))
@@ -80,6 +113,37 @@ def build_dataset(params, cfg: TargetConfig, prompts: list[list[int]], new_token
         parts.append(jax.tree.map(lambda a: a[: len(rows)], out))
     data = jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
     return data | {"tokens": jnp.asarray(tokens), "prompt_len": jnp.asarray(prompt_len), "end": jnp.asarray(end)}
+
+
+def load_continuations(path: str, fingerprint: str, new_tokens: int) -> dict:
+    """{tuple(prompt): int32[new_tokens]} saved by `save_continuations` at `path` ({} when there is no file yet).
+    A file made for another target, dtype or number of new tokens is refused (ConfigError): its rows would be
+    another model's greedy output."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with np.load(path) as z:
+            meta = json.loads(str(z["meta"]))
+            flat, lens, conts = z["prompts"], z["prompt_lens"], z["continuations"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{path}: not a continuations file of jaxspec.distill ({e})") from None
+    if meta != {"target": fingerprint, "new_tokens": new_tokens}:
+        raise ConfigError(f"{path}: continuations of another run (target {meta.get('target')}, new tokens "
+                          f"{meta.get('new_tokens')}; this run: {fingerprint}, {new_tokens})")
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    return {tuple(flat[a:b].tolist()): c for a, b, c in zip(starts[:-1], starts[1:], conts)}
+
+
+def save_continuations(path: str, fingerprint: str, new_tokens: int, known: dict) -> None:
+    """Write `known` to `path` (replaced atomically: an interrupted save leaves the previous file)."""
+    keys = list(known)
+    meta = json.dumps({"target": fingerprint, "new_tokens": new_tokens})
+    tmp = f"{path}.tmp.npz"
+    np.savez(tmp, meta=np.asarray(meta),
+             prompts=np.asarray([t for k in keys for t in k], np.int32),
+             prompt_lens=np.asarray([len(k) for k in keys], np.int64),
+             continuations=np.asarray([known[k] for k in keys], np.int32).reshape(len(keys), new_tokens))
+    os.replace(tmp, path)
 
 
 def draft_targets(data: dict) -> np.ndarray:

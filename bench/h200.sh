@@ -10,6 +10,9 @@
 # session 7 (issues #14, #13, #16), one warm machine, calls chained without pause: s7-tests, s7-propose; then the GGUF
 # in four xz parts (.gg0 with .whl, .gg1, .gg2 staged by `bash bench/h200.sh s6-stage`; .gg3 with jaxspec/assets,
 # the working tree cut to jaxspec/ and bench/ so that each part fits) and `s6-stage; s7-convert; s7-serve; s7-e2e270`.
+# session 8 (issues #14, #17, #13), one warm machine, calls chained without pause: s8-propose with .gg0 and .whl
+# (s6-stage first), .gg1 and .gg2 staged, .gg3 with jaxspec/assets staged + s7-convert, then s8-data with .dist
+# (mixed.jsonl.xz from `python -m jaxspec.corpus --max-per-source 12000 --stride 64`), s8-train, s8-e2e.
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -223,6 +226,41 @@ s7-e4b)  # issue #13/#14: the engine on the E4B random pair, bs 1, 1K prompt: pl
     e2e --bs 1 --prompt-len 1024 --modes off,bucketed,bucketed-fused --rounds-per-call 1 --overlap on \
     --profile-dir /tmp/prof --json "$OUT/e2e-e4b-1k-bs1.json" > "$OUT/e2e-e4b.log" 2>&1
   grep "^e2e bs\|^trace\|Error" "$OUT/e2e-e4b.log" | head -20 ;;
+s8-propose)  # issue #14: the fused drafter step's second version against the default, E4B drafter, k 3, 4K, both traced
+  XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout 200 python3 -m jaxspec.bench propose \
+    --bs ${PBS:-1,16} --ctx 4096 --variants fused,bucketed --profile-dir /tmp/pp \
+    --json "$OUT/propose.json" > "$OUT/propose.log" 2>&1
+  timeout 60 python3 -m jaxspec.bench trace /tmp/pp --rounds 20 --top 30 --json "$OUT/propose-fused-trace.json" \
+    >> "$OUT/propose.log" 2>&1
+  XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout 100 python3 -m jaxspec.bench propose --bs 1 \
+    --ctx 4096 --variants bucketed --profile-dir /tmp/pp2 --json "$OUT/propose-default.json" \
+    > "$OUT/propose-default.log" 2>&1
+  timeout 60 python3 -m jaxspec.bench trace /tmp/pp2 --rounds 20 --top 10 --json "$OUT/propose-default-trace.json" \
+    >> "$OUT/propose-default.log" 2>&1
+  grep -A5 "^ctx  bs" "$OUT"/propose*.log; grep -h "all kernels\|launches\|Error" "$OUT"/propose*.log | head ;;
+s8-data)  # issue #17: the target's greedy continuations of the mixed corpus (carried in .dist) into /root/conts.npz,
+  # until DATA_LIMIT seconds (after s7-convert); a later call adds to the same file
+  [ -e .dist ] && xz -dc .dist/mixed.jsonl.xz > /root/mixed.jsonl
+  timeout 590 python3 -m jaxspec.distill --model /root/gemma-3-270m --out /root/asst --prompts /root/mixed.jsonl \
+    --continuations /root/conts.npz --data-only --time-limit ${DATA_LIMIT:-480} ${DISTILL_ARGS:-} \
+    > "$OUT/data.log" 2>&1
+  tail -4 "$OUT/data.log" ;;
+s8-train)  # issue #17: distill on the continuations in /root/conts.npz (missing ones generated), early stopping on
+  # the held-out accept length; the drafter in /root/asst, its packed form under $OUT/packed
+  timeout 590 python3 -m jaxspec.distill --model /root/gemma-3-270m --out /root/asst --packed-out "$OUT/packed" \
+    --prompts /root/mixed.jsonl --continuations /root/conts.npz --quiet ${DISTILL_ARGS:-} \
+    --time-limit ${TRAIN_LIMIT:-500} > "$OUT/distill.log" 2>&1
+  cp /root/asst/distill.json "$OUT/" 2>/dev/null; tail -4 "$OUT/distill.log" ;;
+s8-e2e)  # issues #13, #17: the engine at bs 1 on 16 held-out prompts, 128 new tokens: plain, the shipped drafter and
+  # the new one (/root/asst) at each k in KS, side by side in one call
+  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
+  for a in /root/asst $A; do n=$([ "$a" = /root/asst ] && echo new || echo shipped)
+    timeout ${E2E_TIMEOUT:-270} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$a" \
+      --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 \
+      --modes $([ $n = new ] && echo "${MODES:-off,bucketed}" || echo bucketed) -k ${KS:-3,4} --rounds-per-call 16 \
+      --overlap on --json "$OUT/e2e-270m-$n.json" > "$OUT/e2e-270m-$n.log" 2>&1
+  done
+  grep -h "^e2e bs\|Error" "$OUT"/e2e-270m-*.log | head -30 ;;
 s7-convert)  # assemble the carried GGUF (.gg0-.gg3, xz) and convert it without its tokenizer (prompt ids in); unpack
   # the bundled drafter (jaxspec/assets)
   cd /root/carry && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl && cd - >/dev/null

@@ -8,6 +8,7 @@ holds NaN (so do the dead entries of kv_indices), and the kernel must still matc
 
 from __future__ import annotations
 
+import functools
 import types
 
 import jax
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxspec.pallas.kv_indices import gather_kv_indices, gather_kv_indices_ref
-from jaxspec.pallas.paged_attention import paged_attention, paged_attention_ref
+from jaxspec.pallas.paged_attention import paged_attention, paged_attention_blocked, paged_attention_ref
 
 # The kernel modules silence this at import, but pytest resets warning filters for each test.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -152,6 +153,51 @@ def test_paged_attention_matches_reference(g, tq, d, dtype, window, cached, tuni
     np.testing.assert_array_equal(got[-1], 0.0)  # padded row: no query sees a key
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+BLOCKED_CASES = [  # g, tq, d, dtype, window, cached, block: several key blocks, queries longer than the kernel's
+    (1, 1, 16, jnp.float32, None, CACHED, 8),
+    (2, 4, 16, jnp.float32, WINDOW, CACHED, 4),
+    (4, 24, 16, jnp.float32, None, (0, 3, 17, 40), 16),  # a prefill-like chunk: causal inside it
+    (2, 24, 16, jnp.float32, WINDOW, (0, 3, 17, 40), 8),
+    (2, 4, 256, jnp.bfloat16, None, CACHED, 16),
+    (2, 4, 16, jnp.float32, None, CACHED, 1024),  # one block wider than the table
+]
+
+
+@pytest.mark.parametrize("g,tq,d,dtype,window,cached,block", BLOCKED_CASES,
+                         ids=[f"g{c[0]}-tq{c[1]}-d{c[2]}-{jnp.dtype(c[3]).name}-{'swa' if c[4] else 'full'}-b{c[6]}"
+                              for c in BLOCKED_CASES])
+def test_blocked_attention_matches_reference(g, tq, d, dtype, window, cached, block):
+    """The XLA path over blocks of live keys (online softmax, early stop) against the whole-width reference; slots no
+    query sees hold NaN and must not leak."""
+    rng = np.random.default_rng(2)
+    batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
+    x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
+    blocked = jax.jit(functools.partial(paged_attention_blocked, scale=0.3, block=block))
+    got = blocked(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi)
+    want = paged_attention_ref(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3)
+    got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got[-1], 0.0)  # padded row: no query sees a key
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_blocked_attention_comparison_has_teeth(monkeypatch):
+    """Without the running-max rescale of earlier blocks (alpha = 1), several blocks no longer give the reference."""
+    g, tq, d, dtype, window, cached, block = BLOCKED_CASES[2]
+    rng = np.random.default_rng(2)
+    batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=False)
+    x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
+    want = np.asarray(paged_attention_ref(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=3.0))
+    real_exp = jnp.exp
+    monkeypatch.setattr(jnp, "exp", lambda a: jnp.where(jnp.isneginf(a) | (a < -1e30), real_exp(a), 1.0)
+                        if a.ndim == 4 else real_exp(a))  # alpha [B, KVH, G, T] stuck at 1 once a key was seen
+    got = np.asarray(paged_attention_blocked(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi,
+                                             scale=3.0, block=block))
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
 
 
 def test_comparison_has_teeth():

@@ -17,10 +17,10 @@ import jax.numpy as jnp
 from jaxspec.config import FULL, TargetConfig
 from jaxspec.paged_kv.metadata import CacheSpec, StepMetadata
 from jaxspec.paged_kv.pool import PagePool
-from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_ref, paged_attention_rows, query_rows,
+from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_rows, query_rows,
                                             row_ranges)
 
-MAX_KERNEL_QUERIES = 16  # q_len above this (prefill chunks) uses the XLA gather + dense attention path
+MAX_KERNEL_QUERIES = 16  # q_len above this (prefill chunks) uses the XLA path (paged_attention_blocked)
 
 
 @jax.tree_util.register_dataclass
@@ -94,7 +94,7 @@ class PagedKVCache:
 
 
 def _attention_fn(use_kernels: bool, num_queries: int):
-    return paged_attention if use_kernels and num_queries <= MAX_KERNEL_QUERIES else paged_attention_ref
+    return paged_attention if use_kernels and num_queries <= MAX_KERNEL_QUERIES else paged_attention_blocked
 
 
 def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool):

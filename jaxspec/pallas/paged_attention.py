@@ -1,5 +1,6 @@
 """Pallas (Triton) kernel: flash-decoding attention over KV rows gathered by slot index, and its jnp reference
-(`paged_attention_ref`, the same call; the CPU path and the kernel's test oracle).
+(`paged_attention_ref`, the same call; the kernel's test oracle), and `paged_attention_blocked`, the same call in
+plain XLA over blocks of live keys (the path without kernels, and for prefill chunks).
 
 Used for decode (Tq=1), verify (Tq=k+1) and the drafter (Tq=1, reads only).
 
@@ -341,3 +342,54 @@ def paged_attention_ref(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *
     valid = (pos[:, None, :] >= q_lo[:, :, None]) & (pos[:, None, :] <= q_hi[:, :, None])
     idx = jnp.where(jnp.any(valid, axis=1), kv_indices, 0)  # slots no query sees are never dereferenced
     return attention(q, k_cache[idx], v_cache[idx], valid, scale=scale)
+
+
+BLOCK_KEYS = 512  # keys per step of `paged_attention_blocked`
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "layer", "block"))
+def paged_attention_blocked(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, scale: float = 1.0,
+                            layer: int | None = None, block: int = BLOCK_KEYS):
+    """`paged_attention_ref`'s result (same arguments) without reading the whole `kv_indices` width: a device loop
+    over blocks of `block` key columns that stops after the last column any query of the call may see, with an
+    online softmax in fp32 (running max, sum and accumulator, as the kernel keeps them). Its cost follows the live
+    context, not the width (a full-attention layer's width is the whole max_context): this is the XLA path for
+    prefill chunks and for runs without kernels. With one block it computes exactly what the reference does.
+    Jitted: the eager drafter calls it op by op, and its loop is then one cached program per shape."""
+    if layer is not None:
+        k_cache, v_cache = k_cache[layer], v_cache[layer]
+    B, T, NH, D = q.shape
+    KVH = k_cache.shape[-2]
+    G = NH // KVH
+    W = kv_indices.shape[1]
+    blk = min(block, W)
+    kv_indices = jnp.pad(kv_indices, ((0, 0), (0, -W % blk)))
+    # key columns the call needs: up to the last position a query sees (q_hi; -1 on padded queries)
+    need = jnp.max(jnp.max(q_hi, axis=1) - kv_start + 1)
+    num_blocks = jnp.clip(-(-need // blk), 0, kv_indices.shape[1] // blk)
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    qg = q.reshape(B, T, KVH, G, D)
+
+    def body(j, carry):
+        m, l, o = carry  # [B, KVH, G, T], [B, KVH, G, T], [B, KVH, G, T, D]
+        idx = lax.dynamic_slice_in_dim(kv_indices, j * blk, blk, axis=1)
+        pos = kv_start[:, None] + j * blk + jnp.arange(blk, dtype=jnp.int32)[None, :]
+        valid = (pos[:, None, :] >= q_lo[:, :, None]) & (pos[:, None, :] <= q_hi[:, :, None])  # [B, T, blk]
+        live = jnp.any(valid, axis=1)
+        idx = jnp.where(live, idx, 0)  # slots no query sees are never dereferenced
+        k = k_cache[idx]
+        v = jnp.where(live[:, :, None, None], v_cache[idx], jnp.zeros((), v_cache.dtype))
+        mask = valid[:, None, None, :, :]
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=acc) * scale
+        s = jnp.where(mask, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+        alpha = jnp.exp(m - m_safe)  # 0 while nothing was seen (m = -inf)
+        o = o * alpha[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=acc)
+        return m_new, l * alpha + jnp.sum(p, axis=-1), o
+
+    m0 = jnp.full((B, KVH, G, T), -jnp.inf, acc)
+    _, l, o = lax.fori_loop(0, num_blocks, body, (m0, jnp.zeros_like(m0), jnp.zeros((B, KVH, G, T, D), acc)))
+    o = o / jnp.where(l > 0, l, 1.0)[..., None]  # a query with no valid key returns 0
+    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, NH, D).astype(q.dtype)

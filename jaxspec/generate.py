@@ -188,7 +188,7 @@ def generate(args, records: Records) -> int:
                                    " --xla_enable_command_buffers_during_profiling=true").strip()
     import jax
 
-    from jaxspec.engine import Request, SamplingParams, request_record
+    from jaxspec.engine import Request, SamplingParams, freeze_heap, request_record
 
     pair = load_pair(args)
     tokenizer, label = pair.tokenizer, pair.label
@@ -218,6 +218,7 @@ def generate(args, records: Records) -> int:
     print(f"model: {label}; draft: {engine.config.draft_mode}" + (f" k={engine.k}" if engine.k else "") +
           f"; {jax.default_backend()} {jax.numpy.dtype(pair.params['embed'].dtype).name}", file=sys.stderr)
     engine.warmup(sample=args.temperature > 0, progress=not args.quiet)
+    freeze_heap()
     bar = None
     if not args.quiet:
         from tqdm import tqdm

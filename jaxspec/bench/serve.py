@@ -159,6 +159,8 @@ def row(clients: int, results: list[dict], wall: float, before: dict, after: dic
     out["device_rounds"] = diff.get("jaxspec_decode_rounds_total")
     rounds = diff.get("jaxspec_request_rounds_total")
     out["mean_accept_length"] = diff["jaxspec_accepted_tokens_total"] / rounds if rounds else None
+    out["server_counters"] = {k.removeprefix("jaxspec_"): v for k, v in diff.items()
+                              if k.endswith("_total") and k in before}  # the row's share of every counter
     return out
 
 
@@ -185,6 +187,17 @@ def run(args) -> dict:
                ("tokens_per_chunk", "tok/chunk", "{:.2f}"), ("mean_accept_length", "accept", "{:.2f}")]
     print_table(f"bench serve: {args.requests_per_client} requests per client, {args.max_tokens} tokens each "
                 f"(ms)", columns, rows)
+    timing = [{"clients": r["clients"], "wall_s": r["wall_s"], **(r.get("server_counters") or {})} for r in rows]
+    if any(len(t) > 2 for t in timing):  # a jaxspec server: where its engine thread's time went
+        names = ["engine_step_seconds_total", "engine_prefill_seconds_total", "engine_launch_seconds_total",
+                 "engine_wait_seconds_total", "engine_commit_seconds_total", "gc_pause_seconds_total"]
+        print_table("the server's engine thread (s), its calls and the garbage collector's pauses",
+                    [("clients", "clients", "{}"), ("wall_s", "wall", "{:.2f}"),
+                     *[(n, n.removeprefix("engine_").removesuffix("_seconds_total"), "{:.2f}") for n in names],
+                     ("decode_calls_total", "decode calls", "{:.0f}"), ("prefill_calls_total", "prefills", "{:.0f}"),
+                     ("gc_full_collections_total", "full gc", "{:.0f}"), ("gc_collections_total", "gc", "{:.0f}")],
+                    [{k: t.get(k) for k in ["clients", "wall_s", *names, "decode_calls_total", "prefill_calls_total",
+                                           "gc_full_collections_total", "gc_collections_total"]} for t in timing])
     return {"server": args.url or f"started: --model {args.model} {args.server_args}".strip(), "model": model,
             "max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client,
             "temperature": args.temperature, "rows": rows}

@@ -221,6 +221,17 @@ def prometheus_text(s) -> str:
         ("decode_rounds_total", "counter", "speculative rounds the device ran", s.device_rounds),
         ("requests_finished_total", "counter", "requests that ran to a stop or their length", s.requests_finished),
         ("requests_failed_total", "counter", "requests failed by an engine error", s.requests_failed),
+        ("decode_calls_total", "counter", "decode calls launched", s.decode_calls),
+        ("prefill_calls_total", "counter", "prefill calls", s.prefill_calls),
+        ("engine_step_seconds_total", "counter", "engine thread time inside engine.step()", s.step_seconds),
+        ("engine_prefill_seconds_total", "counter", "step time spent on prefill calls", s.prefill_seconds),
+        ("engine_launch_seconds_total", "counter", "step time reserving pages and launching decode calls",
+         s.launch_seconds),
+        ("engine_wait_seconds_total", "counter", "step time blocked on decode results", s.wait_seconds),
+        ("engine_commit_seconds_total", "counter", "step time committing results", s.commit_seconds),
+        ("gc_collections_total", "counter", "garbage collections of the server process", s.gc_collections),
+        ("gc_full_collections_total", "counter", "full (generation 2) garbage collections", s.gc_full_collections),
+        ("gc_pause_seconds_total", "counter", "time the garbage collector stopped the process", s.gc_seconds),
     ]
     out = []
     for name, kind, help_, value in rows:

@@ -2,17 +2,22 @@
 
 It loops `engine.step()` while there is work, takes new requests and cancellations from a thread-safe inbox between
 steps (blocking on it when idle), and hands each request's newly committed tokens to the event loop with
-`loop.call_soon_threadsafe`, so the event loop never waits on the device and requests that arrive while others
-decode join at the next step (continuous batching; beyond --max-running-requests the scheduler queues them).
+`loop.call_soon_threadsafe` (one call per step for all of them), so the event loop never waits on the device and
+requests that arrive while others decode join at the next step (continuous batching; beyond
+--max-running-requests the scheduler queues them). It also keeps the figures /metrics shows: where its time goes
+(prefill, launch, waiting on results, commit) and the garbage collector's pauses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import gc
 import queue
 import sys
 import threading
+import time
 import traceback
 
 from jaxspec.config import ConfigError
@@ -38,6 +43,11 @@ class _Live:
     rounds_seen: int = 0  # accept_lengths entries counted into the metrics
 
 
+def _deliver(updates: list[tuple[asyncio.Queue, Update]]) -> None:
+    for sink, update in updates:
+        sink.put_nowait(update)
+
+
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
     """The engine's figures for /metrics, replaced whole after each step (one reference: a consistent view)."""
@@ -54,11 +64,46 @@ class Snapshot:
     device_rounds: int = 0  # speculative rounds the device ran (a round serves every running request)
     requests_finished: int = 0
     requests_failed: int = 0
+    decode_calls: int = 0  # where the engine thread's time goes: calls made and seconds spent by phase
+    prefill_calls: int = 0
+    step_seconds: float = 0.0  # inside engine.step()
+    prefill_seconds: float = 0.0
+    launch_seconds: float = 0.0
+    wait_seconds: float = 0.0  # blocked on a decode call's results
+    commit_seconds: float = 0.0
+    gc_collections: int = 0  # the garbage collector's collections (all generations) and their pauses
+    gc_full_collections: int = 0
+    gc_seconds: float = 0.0
+
+
+class GcPauses:
+    """Counts the process's garbage collections and their time (a `gc.callbacks` hook: they run under the GIL and
+    stop every thread, the engine's included)."""
+
+    def __init__(self):
+        self.collections = self.full = 0
+        self.seconds, self._t0 = 0.0, None
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self.collections += 1
+            self.full += info["generation"] == 2
+            self._t0 = None
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self)
 
 
 class EngineThread:
     def __init__(self, engine, loop: asyncio.AbstractEventLoop):
         self.engine, self.loop = engine, loop
+        self.gc = GcPauses()
+        self._step_s = 0.0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}
         self._totals = {"generated_tokens": 0, "accepted_tokens": 0, "decode_rounds": 0, "requests_finished": 0,
@@ -88,6 +133,7 @@ class EngineThread:
     def stop(self) -> None:
         self._inbox.put(("stop", None, None))
         self._thread.join()
+        self.gc.close()
 
     # ---- the engine thread ---------------------------------------------------------------------------------------
 
@@ -108,11 +154,14 @@ class EngineThread:
                 else:
                     self._cancel(req)
             if self.engine.has_work():
+                t0 = time.perf_counter()
                 try:
                     updated = self.engine.step()
                 except Exception:
                     self._fail_all()
                     continue
+                finally:
+                    self._step_s += time.perf_counter() - t0
                 self._publish(updated)
             self._snap()
 
@@ -133,7 +182,7 @@ class EngineThread:
             self.engine.cancel(req)
 
     def _publish(self, updated: list[Request]) -> None:
-        t = self._totals
+        t, out = self._totals, []
         for r in updated:
             live = self._live.get(r.request_id)
             if live is None:
@@ -147,9 +196,11 @@ class EngineThread:
             if r.finished:
                 del self._live[r.request_id]
                 t["requests_finished"] += 1
-                self._send(live.sink, Update(new, r.finish_reason, r.text))
+                out.append((live.sink, Update(new, r.finish_reason, r.text)))
             elif new:
-                self._send(live.sink, Update(new))
+                out.append((live.sink, Update(new)))
+        if out:  # one wake-up of the event loop per step, however many requests gained tokens
+            self.loop.call_soon_threadsafe(_deliver, out)
 
     def _fail_all(self) -> None:
         """A step raised: which request caused it is unknown, so every live one fails (500) and is cancelled; the
@@ -176,4 +227,7 @@ class EngineThread:
             running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
             kv_pages_used=pool.num_full_pages - 1 - pool.num_free_full, kv_pages_total=pool.num_full_pages - 1,
             swa_pages_used=pool.num_swa_pages - 1 - pool.num_free_swa, swa_pages_total=pool.num_swa_pages - 1,
-            device_rounds=e.stats.rounds, **self._totals)
+            device_rounds=e.stats.rounds, decode_calls=e.stats.calls, prefill_calls=e.stats.prefill_calls,
+            step_seconds=self._step_s, prefill_seconds=e.stats.prefill_s, launch_seconds=e.stats.launch_s,
+            wait_seconds=e.stats.wait_s, commit_seconds=e.stats.host_s, gc_collections=self.gc.collections,
+            gc_full_collections=self.gc.full, gc_seconds=self.gc.seconds, **self._totals)

@@ -48,6 +48,7 @@ def run(args) -> int:
     import jax
     import uvicorn
 
+    from jaxspec.engine import freeze_heap
     from jaxspec.serve.app import create_app
 
     pair = load_pair(args)
@@ -55,6 +56,7 @@ def run(args) -> int:
     print(f"model: {pair.label}; draft: {engine.config.draft_mode}" + (f" k={engine.k}" if engine.k else "") +
           f"; {jax.default_backend()} {jax.numpy.dtype(pair.params['embed'].dtype).name}; compiling", file=sys.stderr)
     engine.warmup(sample=True)
+    freeze_heap()
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     name = args.served_model_name or args.model

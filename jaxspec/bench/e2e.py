@@ -16,7 +16,7 @@ import numpy as np
 from jaxspec.bench import trace
 from jaxspec.bench.common import PRESET_NAMES, names_from, positive, print_table, sizes
 from jaxspec.config import AssistantConfig, ConfigError, TargetConfig, bench_pair
-from jaxspec.engine import Engine, Request, SamplingParams
+from jaxspec.engine import Engine, Request, SamplingParams, freeze_heap
 from jaxspec.engine.config import DRAFT_MODES
 from jaxspec.model.weights import random_assistant_params, random_target_params
 
@@ -53,6 +53,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=positive, default=1024)
     p.add_argument("--new-tokens", type=positive, default=64)
     p.add_argument("--chunk", type=positive, default=256, help="prefill chunk")
+    p.add_argument("--max-context", type=positive, help="the engine's max_context (default: prompt + new tokens + "
+                   "k + 2; a server's is the model's, e.g. 32768 for the default pair)")
     p.add_argument("--model", help="target checkpoint folder (HF layout) instead of the preset's random weights")
     p.add_argument("--assistant", help="assistant checkpoint folder (with --model)")
     p.add_argument("--prompts", help="with --model: a .jsonl of prompt_ids; request i takes prompt i (cycled)")
@@ -95,7 +97,8 @@ def make_engine(pair: Pair, bs: int, mode: str, k: int, args, **options) -> Engi
         mode, options = "bucketed", {**options, "fused_draft": True}
     return Engine(pair.cfg, pair.params, acfg=pair.acfg, aparams=pair.aparams, k=k, draft_mode=mode,
                   buckets=(bs,), max_running=bs, page_size=args.page_size,
-                  max_context=args.prompt_len + args.new_tokens + k + 2, prefill_chunk=args.chunk,
+                  max_context=args.max_context or args.prompt_len + args.new_tokens + k + 2,
+                  prefill_chunk=args.chunk,
                   tensor_parallel_size=args.tp, **options)
 
 
@@ -116,6 +119,7 @@ def measure(engine: Engine, prompts, args, profile_dir: str | None) -> tuple[dic
     """Generate for every prompt (exactly --new-tokens each unless --stop-at-eos) -> (the row's figures, the output
     ids of every request)."""
     engine.warmup()
+    freeze_heap()
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=not args.stop_at_eos)
     requests = [Request(prompt_ids=p, params=sp) for p in prompts]
     engine.generate(requests, profile_dir=profile_dir)
@@ -135,7 +139,7 @@ def run(args) -> dict:
     checkpoint folders)."""
     label, pair, make_prompts = e2e_pair(args)
     result = {"preset": None if args.model else args.preset, "model": label, "prompt_len": args.prompt_len,
-              "new_tokens": args.new_tokens, "rows": []}
+              "new_tokens": args.new_tokens, "max_context": args.max_context, "rows": []}
     rows, plain = result["rows"], {}
     for bs in args.bs:
         prompts = make_prompts(args.requests or bs)

@@ -24,7 +24,9 @@ def add_model_args(p) -> None:
 
 
 def add_engine_args(p) -> None:
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4,
+                   help="draft steps a round (default 4: the fastest with the default pair on the H200 at bs 1 and "
+                        "within 3%% of k 5 on the CPU, BENCHMARKS.md session 8)")
     p.add_argument("--max-running-requests", type=int, default=16)
     p.add_argument("--draft-mode", choices=("bucketed", "eager", "off"), default="bucketed")
     p.add_argument("--draft-bs", default="1,2,4,8,16,32,64", help="batch-size buckets, e.g. 1,2,4,8")

@@ -232,11 +232,11 @@ s8-propose)  # issue #14: the fused drafter step's second version against the de
     --json "$OUT/propose.json" > "$OUT/propose.log" 2>&1
   timeout 60 python3 -m jaxspec.bench trace /tmp/pp --rounds 20 --top 30 --json "$OUT/propose-fused-trace.json" \
     >> "$OUT/propose.log" 2>&1
-  XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout 100 python3 -m jaxspec.bench propose --bs 1 \
-    --ctx 4096 --variants bucketed --profile-dir /tmp/pp2 --json "$OUT/propose-default.json" \
+  [ -z "${SKIP_DEFAULT:-}" ] && XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout 100 \
+    python3 -m jaxspec.bench propose --bs 1 --ctx 4096 --variants bucketed --profile-dir /tmp/pp2 --json "$OUT/propose-default.json" \
     > "$OUT/propose-default.log" 2>&1
-  timeout 60 python3 -m jaxspec.bench trace /tmp/pp2 --rounds 20 --top 10 --json "$OUT/propose-default-trace.json" \
-    >> "$OUT/propose-default.log" 2>&1
+  [ -z "${SKIP_DEFAULT:-}" ] && timeout 60 python3 -m jaxspec.bench trace /tmp/pp2 --rounds 20 --top 10 \
+    --json "$OUT/propose-default-trace.json" >> "$OUT/propose-default.log" 2>&1
   grep -A5 "^ctx  bs" "$OUT"/propose*.log; grep -h "all kernels\|launches\|Error" "$OUT"/propose*.log | head ;;
 s8-data)  # issue #17: the target's greedy continuations of the mixed corpus (carried in .dist) into /root/conts.npz,
   # until DATA_LIMIT seconds (after s7-convert); a later call adds to the same file
@@ -261,6 +261,32 @@ s8-e2e)  # issues #13, #17: the engine at bs 1 on 16 held-out prompts, 128 new t
       --overlap on --json "$OUT/e2e-270m-$n.json" > "$OUT/e2e-270m-$n.log" 2>&1
   done
   grep -h "^e2e bs\|Error" "$OUT"/e2e-270m-*.log | head -30 ;;
+s8-serve)  # issue #16: the server (default pair, s7-convert first) under 1, 8 and 32 streaming clients, with the
+  # engine thread's time by phase and the GC pauses from /metrics (session 8 ran it with a GIL switch-interval flag,
+  # since removed: no effect)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-serve \
+    $(ls /root/carry/.whl/*.whl | grep -v gguf) > "$OUT/serve.log" 2>&1
+  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
+  PYTHONPATH=/tmp/site-serve:. timeout ${SERVE_TIMEOUT:-420} python3 -m jaxspec.bench serve --model /root/gemma-3-270m \
+    --assistant "$A" --server-args "--max-running-requests 32 --draft-bs 1,8,32 ${SERVE_ARGS:-}" \
+    --clients ${CLIENTS:-1,8,32} --prompts bench/prompts/270m-heldout.jsonl --json "$OUT/serve-270m.json" \
+    >> "$OUT/serve.log" 2>&1
+  grep -v "^ *$" "$OUT/serve.log" | grep -v "^Finished\|^Compiling\|^W1" | tail -16 ;;
+s8-prefill)  # issue #16: the XLA prefill attention over live key blocks on the GPU: a bs-8 prefill of 64-token prompts
+  # (E2B random pair, TTFT) at max_context 32768 with it and with the whole-width path it replaced
+  # (.dist/cache_before.py: jaxspec/paged_kv/cache.py of 35a8dcb), its kernel tests, then at max_context 1024
+  # (session 8: at 100 s a run, both 32768 runs were cut before printing anything; 1024 took 372 ms TTFT)
+  run() { timeout ${PREFILL_TIMEOUT:-300} python3 -m jaxspec.bench e2e --preset E2B --bs 8 --prompt-len 64 --new-tokens 8 --modes off \
+    --max-context $1 --json "$OUT/prefill-$1${2:-}.json" > "$OUT/prefill-$1${2:-}.log" 2>&1; }
+  run 32768; cp jaxspec/paged_kv/cache.py /tmp/cache_after.py
+  [ -e .dist/cache_before.py ] && cp .dist/cache_before.py jaxspec/paged_kv/cache.py && run 32768 -before
+  cp /tmp/cache_after.py jaxspec/paged_kv/cache.py
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "blocked or matches_reference" \
+    > "$OUT/tests.txt" 2>&1; tail -1 "$OUT/tests.txt"
+  run 1024
+  python3 -c "import json, glob
+for f in sorted(glob.glob('$OUT/prefill-*.json')): print(f, [round(r['ttft_ms_mean'], 1) for r in json.load(open(f))['rows']])"
+  grep -h "Error" "$OUT"/prefill-*.log | head -5 ;;
 s7-convert)  # assemble the carried GGUF (.gg0-.gg3, xz) and convert it without its tokenizer (prompt ids in); unpack
   # the bundled drafter (jaxspec/assets)
   cd /root/carry && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl && cd - >/dev/null

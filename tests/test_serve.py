@@ -123,10 +123,18 @@ def test_32_concurrent_clients_equal_generate(server):
         return streamed(c.completions.create(model="m", prompt=PROMPTS[i], max_tokens=NEW, temperature=0,
                                              stream=True))
 
+    before = metrics(url)
     with ThreadPoolExecutor(32) as pool:
         got = list(pool.map(one, range(32)))
     for (text, ids, reason), rec in zip(got, records):
         assert ids == rec["output_ids"] and text == rec["text"] and reason == rec["finish_reason"]
+    # the engine thread's counters: every request prefilled (up to 8 rows a call), its tokens counted, and the step
+    # time's parts (prefill, launch, waiting, commit) within the step time
+    d = {k.removeprefix("jaxspec_"): v - before[k] for k, v in metrics(url).items() if k.endswith("_total")}
+    assert d["generated_tokens_total"] == sum(len(ids) for _, ids, _ in got)
+    assert 4 <= d["prefill_calls_total"] <= 32 and d["decode_calls_total"] >= NEW - 1
+    parts = sum(d[f"engine_{p}_seconds_total"] for p in ("prefill", "launch", "wait", "commit"))
+    assert 0 < parts <= d["engine_step_seconds_total"] + 1e-6
 
 
 def test_sampled_request_equals_generate(server):
@@ -292,7 +300,9 @@ class FlakyEngine:
     with prompt [13] runs; others get one token a step and finish after two."""
 
     def __init__(self):
-        self.running, self.stats = [], types.SimpleNamespace(rounds=0)
+        from jaxspec.engine.engine import Stats
+
+        self.running, self.stats = [], Stats()  # the engine's own counters, as /metrics reads them
         pool = types.SimpleNamespace(num_full_pages=9, num_free_full=8, num_swa_pages=9, num_free_swa=8)
         self.cache, self.scheduler = types.SimpleNamespace(pool=pool), types.SimpleNamespace(running=[], waiting=[])
 

@@ -1,6 +1,6 @@
 """Pallas (Triton) kernel: flash-decoding attention over KV rows gathered by slot index, and its jnp reference
 (`paged_attention_ref`, the same call; the kernel's test oracle), and `paged_attention_blocked`, the same call in
-plain XLA over blocks of live keys (the path without kernels, and for prefill chunks).
+plain XLA over blocks of live keys (the path for prefill chunks).
 
 Used for decode (Tq=1), verify (Tq=k+1) and the drafter (Tq=1, reads only).
 
@@ -354,8 +354,8 @@ def paged_attention_blocked(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_h
     over blocks of `block` key columns that stops after the last column any query of the call may see, with an
     online softmax in fp32 (running max, sum and accumulator, as the kernel keeps them). Its cost follows the live
     context, not the width (a full-attention layer's width is the whole max_context): this is the XLA path for
-    prefill chunks and for runs without kernels. With one block it computes exactly what the reference does.
-    Jitted: the eager drafter calls it op by op, and its loop is then one cached program per shape."""
+    prefill chunks. With one block it computes exactly what the reference does. Jitted, so that a caller outside a
+    compiled program (op by op) gets one cached program per shape, not a loop traced anew at each call."""
     if layer is not None:
         k_cache, v_cache = k_cache[layer], v_cache[layer]
     B, T, NH, D = q.shape

@@ -135,6 +135,11 @@ def test_32_concurrent_clients_equal_generate(server):
     assert 4 <= d["prefill_calls_total"] <= 32 and d["decode_calls_total"] >= NEW - 1
     parts = sum(d[f"engine_{p}_seconds_total"] for p in ("prefill", "launch", "wait", "commit"))
     assert 0 < parts <= d["engine_step_seconds_total"] + 1e-6
+    # the step-time histogram: cumulative buckets, +Inf = count, its sum the step time
+    after, h = metrics(url), "jaxspec_engine_step_duration_seconds"
+    buckets = [v for k, v in after.items() if k.startswith(h + "_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] == after[h + "_count"] > 0
+    assert after[h + "_sum"] == pytest.approx(after["jaxspec_engine_step_seconds_total"])
 
 
 def test_sampled_request_equals_generate(server):

@@ -161,6 +161,10 @@ def row(clients: int, results: list[dict], wall: float, before: dict, after: dic
     out["mean_accept_length"] = diff["jaxspec_accepted_tokens_total"] / rounds if rounds else None
     out["server_counters"] = {k.removeprefix("jaxspec_"): v for k, v in diff.items()
                               if k.endswith("_total") and k in before}  # the row's share of every counter
+    h = "jaxspec_engine_step_duration_seconds"
+    if f"{h}_count" in diff:  # engine steps in the row, and how many took over 0.25 s (stalls)
+        out["server_counters"]["engine_steps"] = diff[f"{h}_count"]
+        out["server_counters"]["engine_steps_over_250ms"] = diff[f"{h}_count"] - diff[f'{h}_bucket{{le="0.25"}}']
     return out
 
 
@@ -195,9 +199,11 @@ def run(args) -> dict:
                     [("clients", "clients", "{}"), ("wall_s", "wall", "{:.2f}"),
                      *[(n, n.removeprefix("engine_").removesuffix("_seconds_total"), "{:.2f}") for n in names],
                      ("decode_calls_total", "decode calls", "{:.0f}"), ("prefill_calls_total", "prefills", "{:.0f}"),
+                     ("engine_steps", "steps", "{:.0f}"), ("engine_steps_over_250ms", "steps > 0.25 s", "{:.0f}"),
                      ("gc_full_collections_total", "full gc", "{:.0f}"), ("gc_collections_total", "gc", "{:.0f}")],
                     [{k: t.get(k) for k in ["clients", "wall_s", *names, "decode_calls_total", "prefill_calls_total",
-                                           "gc_full_collections_total", "gc_collections_total"]} for t in timing])
+                                           "engine_steps", "engine_steps_over_250ms", "gc_full_collections_total",
+                                           "gc_collections_total"]} for t in timing])
     return {"server": args.url or f"started: --model {args.model} {args.server_args}".strip(), "model": model,
             "max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client,
             "temperature": args.temperature, "rows": rows}

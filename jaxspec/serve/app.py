@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from jaxspec.serve.bridge import EngineThread, Update
+from jaxspec.serve.bridge import STEP_BUCKETS, EngineThread, Update
 from jaxspec.serve.protocol import (ApiError, ChatRequest, CompletionRequest, chat_prompt, checked_request,
                                     completion_prompt, sampling_params, stable_text, usage)
 
@@ -236,4 +236,9 @@ def prometheus_text(s) -> str:
     out = []
     for name, kind, help_, value in rows:
         out += [f"# HELP jaxspec_{name} {help_}", f"# TYPE jaxspec_{name} {kind}", f"jaxspec_{name} {value}"]
+    h = "jaxspec_engine_step_duration_seconds"
+    out += [f"# HELP {h} engine.step() durations", f"# TYPE {h} histogram"]
+    out += [f'{h}_bucket{{le="{"+Inf" if le == float("inf") else le}"}} {n}'
+            for le, n in zip(STEP_BUCKETS, s.step_buckets)]
+    out += [f"{h}_sum {s.step_seconds}", f"{h}_count {s.step_buckets[-1]}"]
     return "\n".join(out) + "\n"

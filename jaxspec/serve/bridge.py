@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import itertools
 import queue
 import sys
 import threading
@@ -48,6 +49,9 @@ def _deliver(updates: list[tuple[asyncio.Queue, Update]]) -> None:
         sink.put_nowait(update)
 
 
+STEP_BUCKETS = (0.001, 0.005, 0.02, 0.1, 0.25, 0.5, 1.0, float("inf"))  # seconds: the step-time histogram
+
+
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
     """The engine's figures for /metrics, replaced whole after each step (one reference: a consistent view)."""
@@ -67,6 +71,7 @@ class Snapshot:
     decode_calls: int = 0  # where the engine thread's time goes: calls made and seconds spent by phase
     prefill_calls: int = 0
     step_seconds: float = 0.0  # inside engine.step()
+    step_buckets: tuple[int, ...] = (0,) * 8  # steps that took at most STEP_BUCKETS[i] seconds (cumulative)
     prefill_seconds: float = 0.0
     launch_seconds: float = 0.0
     wait_seconds: float = 0.0  # blocked on a decode call's results
@@ -103,7 +108,7 @@ class EngineThread:
     def __init__(self, engine, loop: asyncio.AbstractEventLoop):
         self.engine, self.loop = engine, loop
         self.gc = GcPauses()
-        self._step_s = 0.0
+        self._step_s, self._step_counts = 0.0, [0] * len(STEP_BUCKETS)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}
         self._totals = {"generated_tokens": 0, "accepted_tokens": 0, "decode_rounds": 0, "requests_finished": 0,
@@ -161,7 +166,9 @@ class EngineThread:
                     self._fail_all()
                     continue
                 finally:
-                    self._step_s += time.perf_counter() - t0
+                    took = time.perf_counter() - t0
+                    self._step_s += took
+                    self._step_counts[next(i for i, le in enumerate(STEP_BUCKETS) if took <= le)] += 1
                 self._publish(updated)
             self._snap()
 
@@ -228,6 +235,7 @@ class EngineThread:
             kv_pages_used=pool.num_full_pages - 1 - pool.num_free_full, kv_pages_total=pool.num_full_pages - 1,
             swa_pages_used=pool.num_swa_pages - 1 - pool.num_free_swa, swa_pages_total=pool.num_swa_pages - 1,
             device_rounds=e.stats.rounds, decode_calls=e.stats.calls, prefill_calls=e.stats.prefill_calls,
-            step_seconds=self._step_s, prefill_seconds=e.stats.prefill_s, launch_seconds=e.stats.launch_s,
+            step_seconds=self._step_s, step_buckets=tuple(itertools.accumulate(self._step_counts)),
+            prefill_seconds=e.stats.prefill_s, launch_seconds=e.stats.launch_s,
             wait_seconds=e.stats.wait_s, commit_seconds=e.stats.host_s, gc_collections=self.gc.collections,
             gc_full_collections=self.gc.full, gc_seconds=self.gc.seconds, **self._totals)

@@ -49,9 +49,9 @@ class Stats:
 
 def freeze_heap() -> None:
     """Collect once, then move every object alive now (the loaded model, jax's and XLA's compile-time objects) into
-    the garbage collector's permanent generation (`gc.freeze`), so that its full collections stop walking them: on
-    the H200 host each one paused the serving process for ~0.5 s. The entry points call it after compiling, as
-    vLLM's engine does after start-up. Objects frozen by an earlier call are thawed and collected first, so that an
+    the garbage collector's permanent generation (`gc.freeze`), so that its full collections stop walking them (one
+    over a compiled server's heap took 250-300 ms on the CPU). The entry points call it after compiling, as vLLM's
+    engine does after start-up. Objects frozen by an earlier call are thawed and collected first, so that an
     engine dropped since (its device buffers too) is freed. JAXSPEC_GC_FREEZE=0 turns it off (to compare)."""
     if os.environ.get("JAXSPEC_GC_FREEZE", "1") != "0":
         gc.unfreeze()

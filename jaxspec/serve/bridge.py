@@ -71,7 +71,7 @@ class Snapshot:
     decode_calls: int = 0  # where the engine thread's time goes: calls made and seconds spent by phase
     prefill_calls: int = 0
     step_seconds: float = 0.0  # inside engine.step()
-    step_buckets: tuple[int, ...] = (0,) * 8  # steps that took at most STEP_BUCKETS[i] seconds (cumulative)
+    step_buckets: tuple[int, ...] = (0,) * len(STEP_BUCKETS)  # steps that took <= STEP_BUCKETS[i] s (cumulative)
     prefill_seconds: float = 0.0
     launch_seconds: float = 0.0
     wait_seconds: float = 0.0  # blocked on a decode call's results

@@ -103,6 +103,20 @@ def test_e2e(tmp_path):
         assert {"launch_ms_per_round", "wait_ms_per_round", "host_ms_per_round", "calls"} <= set(e)
 
 
+def test_e2e_max_context(tmp_path, capsys):
+    """--max-context sizes the engine as a server's would be; one too small for the prompts is one line, exit 2."""
+    argv = ["e2e", "--preset", "tiny", "--bs", "1", "--modes", "off", "--prompt-len", "12", "--new-tokens", "4",
+            "--chunk", "8", "--page-size", "4"]
+    r = run(tmp_path, *argv, "--max-context", "96")
+    assert r["max_context"] == 96 and [e["generated_tokens"] for e in r["rows"]] == [4]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        bench.main([*argv, "--max-context", "8", "--json", str(tmp_path / "small.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "does not fit the context of 8" in err and "\n" not in err
+
+
 def test_e2e_profile_then_trace_summary(tmp_path, capsys):
     """The profiled e2e row carries the trace's figures, None on the CPU (its trace has no device kernels); `trace`
     on that CPU trace, or on a folder without one, says so in one line and exits 2. The summary of a trace with

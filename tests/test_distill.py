@@ -347,6 +347,29 @@ def test_saved_continuations_are_the_generated_ones(tiny, tmp_path):
         data_mod.load_continuations(path, "other-fp32", NEW)
 
 
+@pytest.mark.parametrize("kind,message", [("folder", "is a folder"), ("text", "not a continuations file"),
+                                          ("other run", "continuations of another run")])
+def test_cli_bad_continuations_file_is_one_line_and_exit_2(tiny, tmp_path, capsys, kind, message):
+    """A --continuations path that is a folder, not such a file, or another run's file: one line, exit 2, and the
+    file is left as it was."""
+    prompts = str(tmp_path / "prompts.jsonl")
+    write_prompts(tiny, prompts)
+    path = tmp_path / "conts.npz"
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "text":
+        path.write_text("my notes\n")
+    else:
+        data_mod.save_continuations(str(path), "another-target-fp32", NEW, {(1, 2, 3): np.arange(NEW, dtype=np.int32)})
+    before = None if kind == "folder" else path.read_bytes()
+    argv = ["--model", TARGET, "--out", str(tmp_path / "o"), "--prompts", prompts, "--continuations", str(path),
+            "--data-only", *CLI_ARGS]
+    assert distill_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and "\n" not in err
+    assert kind == "folder" or path.read_bytes() == before
+
+
 @pytest.mark.parametrize("bad,message", [
     (["--data-only"], "--data-only writes the continuations to a file"),
     (["--keep-vocab", "0"], "--keep-vocab must be >= 1"),

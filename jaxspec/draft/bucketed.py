@@ -36,8 +36,8 @@ def draft(aparams, target_embed, kv, pages: PageTables, cached_len, pending_toke
           acfg: AssistantConfig, target: TargetConfig, spec: CacheSpec, k: int, use_kernels: bool, fused: bool = False):
     """k draft steps for a batch. cached_len, pending_token: i32[B]; seed_hidden: [B, H_target]. With kernels, the
     step is the jnp step with the attention kernel, or with `fused` (where the drafter's shapes allow) the fused
-    kernels' step (`propose_fused`; off by default: its first version was slower on the H200, BENCHMARKS.md
-    session 7).
+    kernels' step (`propose_fused`; off by default: on the H200 it matches the default step's kernel time but
+    not its wall time, BENCHMARKS.md session 8).
 
     Returns (drafts i32[B, k], the last h_next [B, H_target]).
     """

@@ -11,7 +11,7 @@ The eager and bucketed drafters (`jaxspec.draft`) both call `propose`; they diff
 where the attention metadata comes from. The bucketed path can also run the same step through the fused Pallas
 kernels of `jaxspec.pallas.draft_layer` (`propose_fused`, `fused=True`): the same math and the same roundings, ~6
 launches a layer instead of ~15, equal to `draft_hidden` up to summation order (tests/test_drafter.py); off by
-default, since its first version was slower on the H200 (BENCHMARKS.md, session 7).
+default: on the H200 it is level with the default step, not faster (BENCHMARKS.md, session 8).
 """
 
 from __future__ import annotations

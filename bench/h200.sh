@@ -13,6 +13,9 @@
 # session 8 (issues #14, #17, #13), one warm machine, calls chained without pause: s8-propose with .gg0 and .whl
 # (s6-stage first), .gg1 and .gg2 staged, .gg3 with jaxspec/assets staged + s7-convert, then s8-data with .dist
 # (mixed.jsonl.xz from `python -m jaxspec.corpus --max-per-source 12000 --stride 64`), s8-train, s8-e2e.
+# session 9 (issues #16, #17): the GGUF in four xz parts (.gg0 with .whl, .gg1, .gg2, .gg3, each staged by s6-stage,
+# the working tree cut to jaxspec/ without its assets and bench/), then with the whole tree: s7-convert, s9-serve;
+# s9-e2e.
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -287,6 +290,29 @@ s8-prefill)  # issue #16: the XLA prefill attention over live key blocks on the 
   python3 -c "import json, glob
 for f in sorted(glob.glob('$OUT/prefill-*.json')): print(f, [round(r['ttft_ms_mean'], 1) for r in json.load(open(f))['rows']])"
   grep -h "Error" "$OUT"/prefill-*.log | head -5 ;;
+s9-serve)  # issue #16: the server (default pair, s7-convert first) with every program run once at start-up (the
+  # default on a GPU) against JAXSPEC_PRIME=0, each with a per-step log of the engine thread (JAXSPEC_STEP_LOG)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-serve \
+    $(ls /root/carry/.whl/*.whl | grep -v gguf) > /dev/null 2>&1
+  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
+  for v in primed unprimed; do
+    JAXSPEC_PRIME=$([ $v = primed ] && echo 1 || echo 0) JAXSPEC_STEP_LOG="$OUT/steps-$v.jsonl" \
+    PYTHONPATH=/tmp/site-serve:. timeout $([ $v = primed ] && echo ${SERVE_TIMEOUT:-360} || echo 150) \
+      python3 -m jaxspec.bench serve --model /root/gemma-3-270m --assistant "$A" \
+      --server-args "--max-running-requests 32 --draft-bs 1,8,32 ${SERVE_ARGS:-}" \
+      --clients $([ $v = primed ] && echo ${CLIENTS:-1,8,32} || echo 8,32) --prompts bench/prompts/270m-heldout.jsonl \
+      --json "$OUT/serve-$v.json" > "$OUT/serve-$v.log" 2>&1
+    echo "== $v"; grep -v "^ *$" "$OUT/serve-$v.log" | grep -v "^Finished\|^Compiling\|^W1" | tail -12
+    python3 -c "import json; s = [json.loads(x) for x in open('$OUT/steps-$v.jsonl')]
+print(len(s), 'steps,', round(sum(x['step_s'] for x in s), 2), 's; the 8 longest:')
+for x in sorted(s, key=lambda x: -x['step_s'])[:8]: print(x)" 2>&1 | tail -9
+  done ;;
+s9-e2e)  # issue #17: the shipped drafter at k 1..6 against plain, bs 1, 16 held-out prompts, 128 new tokens
+  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
+  timeout ${E2E_TIMEOUT:-400} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$A" \
+    --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 --modes off,bucketed \
+    -k ${KS:-1,2,3,4,5,6} --rounds-per-call 16 --overlap on --json "$OUT/e2e-270m-k.json" > "$OUT/e2e-270m-k.log" 2>&1
+  grep "^e2e bs\|Error" "$OUT/e2e-270m-k.log" | head -30 ;;
 s7-convert)  # assemble the carried GGUF (.gg0-.gg3, xz) and convert it without its tokenizer (prompt ids in); unpack
   # the bundled drafter (jaxspec/assets)
   cd /root/carry && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl && cd - >/dev/null

@@ -117,6 +117,42 @@ def test_no_tracing_after_warmup_is_enforced(monkeypatch):
         run(eng, mixed_prompts(cfg, 2, seed=5))
 
 
+def _real_rows(eng):
+    """The device state real requests own: K/V of every page but the dummy page 0, decode-state rows but slot 0."""
+    ps = eng.cache.spec.page_size
+    kv = {t: (np.asarray(layer.k)[:, ps:], np.asarray(layer.v)[:, ps:]) for t, layer in eng.cache.kv.items()}
+    state = jax.tree.map(lambda a: np.asarray(a)[1:], eng.runner.state)
+    return kv, state
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prime_touches_only_padding_rows(plain_reference, overlap):
+    """Running every program once on padding rows (what warmup does on a GPU) in the middle of serving changes no
+    byte of a real request's K/V or decode state, and the outputs stay equal to plain greedy decoding."""
+    prompts, want = plain_reference
+    cfg, params, acfg, aparams = pair()
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(1, 4), max_running=4, page_size=4,
+                 max_context=96, prefill_chunk=8, overlap=overlap)
+    eng.warmup(sample=True, prime=False)
+    assert not eng.runner._primed
+    reqs = [Request(prompt_ids=list(p), params=dataclasses.replace(GREEDY, max_new_tokens=20)) for p in prompts[:6]]
+    for r in reqs:
+        eng.add_request(r)
+    for _ in range(4):
+        eng.step()
+    assert any(r.decoding for r in eng.scheduler.running)  # requests are mid-way, rows and pages in use
+    jax.block_until_ready((eng.cache.kv, eng.runner.state))
+    before = _real_rows(eng)
+    eng.runner.prime()
+    assert len(eng.runner._primed) == len(eng.runner.executables) == 8  # {prefill, decode} x 2 buckets x 2 variants
+    after = _real_rows(eng)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, b)
+    while eng.has_work():
+        eng.step()
+    assert [r.output_ids for r in reqs] == want[:6]
+
+
 # ---- sampling: the speculative distribution equals transformers' ----------------------------------------------------
 
 ALPHA = 1e-3  # the chi-square test's level

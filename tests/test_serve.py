@@ -47,6 +47,9 @@ def env():
             "XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_backend_optimization_level=0")}
 
 
+STEP_LOG = [None]  # the server's JAXSPEC_STEP_LOG file
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """(base URL, tokenizer, generate's greedy records, generate's sampled record). generate runs in this process
@@ -58,8 +61,10 @@ def server(tmp_path_factory):
     shutil.copytree(golden_path("e2b", "target"), model)
     tokenizer = word_tokenizer(model, TEMPLATE)
     err = open(tmp / "server.err", "w")
+    STEP_LOG[0] = tmp / "steps.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "jaxspec.serve", "--model", str(model), *ENGINE, "--port", "0"],
-                            env=env(), stdout=subprocess.PIPE, stderr=err, text=True)
+                            env={**env(), "JAXSPEC_STEP_LOG": str(STEP_LOG[0])}, stdout=subprocess.PIPE, stderr=err,
+                            text=True)
     try:
         (tmp / "p.txt").write_text("\n".join(PROMPTS) + "\n")
         gen = ["--model", str(model), *ENGINE, "--quiet", "--max-new-tokens", str(NEW)]
@@ -140,6 +145,16 @@ def test_32_concurrent_clients_equal_generate(server):
     buckets = [v for k, v in after.items() if k.startswith(h + "_bucket")]
     assert buckets == sorted(buckets) and buckets[-1] == after[h + "_count"] > 0
     assert after[h + "_sum"] == pytest.approx(after["jaxspec_engine_step_seconds_total"])
+    # JAXSPEC_STEP_LOG: a line per step since the start, agreeing with the counters; phases within their step
+    steps = [json.loads(x) for x in STEP_LOG[0].read_text().splitlines()]
+    assert len(steps) == after[h + "_count"]
+    assert sum(x["step_s"] for x in steps) == pytest.approx(after[h + "_sum"], abs=1e-3)
+    for name in ("prefill_calls", "decode_calls"):
+        assert sum(x[name] for x in steps) == after[f"jaxspec_{name}_total"]
+    assert all(x["prefill_s"] + x["launch_s"] + x["wait_s"] + x["commit_s"] <= x["step_s"] + 1e-5 for x in steps)
+    assert [x["t"] for x in steps] == sorted(x["t"] for x in steps)
+    assert max(x["running"] for x in steps) == 8  # --max-running-requests: the rest queued
+    assert max(x["waiting"] for x in steps) > 0
 
 
 def test_sampled_request_equals_generate(server):

@@ -122,12 +122,19 @@ class Engine:
 
     # ---- compiling -------------------------------------------------------------------------------------------------
 
-    def warmup(self, sample: bool = False, progress: bool = False) -> None:
+    def warmup(self, sample: bool = False, progress: bool = False, prime: bool | None = None) -> None:
         """Compile every program for every bucket (greedy, and the sampling variants when `sample`); progress: a line
-        and a bar on stderr."""
+        and a bar on stderr. prime: then run each once on padding rows (`Runner.prime`); default: on a GPU, where a
+        program's first execution loads its kernels (on the CPU it gains nothing and costs a prefill per bucket), or
+        as JAXSPEC_PRIME=1/0 says (to compare)."""
         self.runner.compile(False, progress)
         if sample:
             self.runner.compile(True, progress)
+        if prime is None:
+            env = os.environ.get("JAXSPEC_PRIME")
+            prime = env != "0" if env in ("0", "1") else jax.default_backend() != "cpu"
+        if prime:
+            self.runner.prime()
 
     def rebuild(self, **sizes) -> None:
         """Re-create the cache with new sizes (no request may be running) and compile the programs again."""

@@ -69,6 +69,7 @@ class Runner:
         self.executables: dict[tuple, object] = {}
         self.compiled_variants: set[bool] = set()
         self._uploads: dict[tuple, tuple[np.ndarray, jax.Array]] = {}
+        self._primed: set[tuple] = set()  # programs run once (`prime`)
 
     @property
     def programs_compiled(self) -> int:
@@ -115,12 +116,40 @@ class Runner:
             bar.close(cached=compile_cache_hits() - hits)
         self.compiled_variants.add(sample)
 
+    def prime(self) -> None:
+        """Run every compiled program once, on padding rows only, and wait for it. A program's first execution on a
+        GPU also loads its kernels (and sets up what they need), which is slow; without this, the first call of each
+        bucket stalls every running request (the server's first 8-row or 32-row step). Padding rows write only the
+        decode state's slot 0 and the pool's page 0, which belong to padding: real rows see nothing of it (tested)."""
+        c = self.config
+        for key, run in self.executables.items():
+            if key in self._primed:
+                continue
+            kind, bucket, _ = key
+            slot, pages = self.inputs([None] * bucket)
+            if kind == "prefill":
+                z = np.zeros(bucket, np.int32)
+                batch = jax.device_put(PrefillBatch(
+                    tokens=np.zeros((bucket, c.prefill_chunk), np.int32), cached_len=z, num_new=z, slot=z,
+                    last=np.zeros(bucket, bool), pending_token=z, num_generated=z, max_new_tokens=z,
+                    ignore_eos=np.zeros(bucket, bool), sampling=SamplingMetadata.build([], bucket)),
+                    self.cache.upload_sharding)
+                self.cache.kv, self.state, out = run(self.weights, self.cache.kv, self.state, batch, pages)
+            else:
+                extra = (jax.device_put(np.zeros((bucket, c.k), np.int32), self.cache.upload_sharding),) \
+                    if c.draft_mode == "eager" else ()
+                self.cache.kv, self.state, out = run(self.weights, self.cache.kv, self.state, slot, pages, *extra)
+            fetch(out)
+            self._primed.add(key)
+
     def rebuild(self) -> None:
         """After the cache's rebuild (new shapes): forget the old programs and compile the same variants again."""
-        variants = set(self.compiled_variants)
-        self.executables, self.compiled_variants, self._uploads = {}, set(), {}
+        variants, primed = set(self.compiled_variants), bool(self._primed)
+        self.executables, self.compiled_variants, self._uploads, self._primed = {}, set(), {}, set()
         for sample in sorted(variants):
             self.compile(sample)
+        if primed:
+            self.prime()
 
     # ---- calling ---------------------------------------------------------------------------------------------------
 

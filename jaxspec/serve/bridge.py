@@ -5,7 +5,9 @@ steps (blocking on it when idle), and hands each request's newly committed token
 `loop.call_soon_threadsafe` (one call per step for all of them), so the event loop never waits on the device and
 requests that arrive while others decode join at the next step (continuous batching; beyond
 --max-running-requests the scheduler queues them). It also keeps the figures /metrics shows: where its time goes
-(prefill, launch, waiting on results, commit) and the garbage collector's pauses.
+(prefill, launch, waiting on results, commit) and the garbage collector's pauses. With JAXSPEC_STEP_LOG=FILE it
+also appends one JSON line per step to FILE (its start, duration and phases, the requests running and waiting): the
+timeline behind the /metrics totals, for finding a stall.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import contextlib
 import dataclasses
 import gc
 import itertools
+import json
+import os
 import queue
 import sys
 import threading
@@ -116,6 +120,8 @@ class EngineThread:
         self.snapshot = Snapshot()
         self._snap()
         self._thread = threading.Thread(target=self._run, name="jaxspec-engine", daemon=True)
+        path = os.environ.get("JAXSPEC_STEP_LOG")
+        self._log = open(path, "a", buffering=1) if path else None  # noqa: SIM115 (closed by stop())
 
     # ---- called from the event loop ------------------------------------------------------------------------------
 
@@ -139,6 +145,8 @@ class EngineThread:
         self._inbox.put(("stop", None, None))
         self._thread.join()
         self.gc.close()
+        if self._log:
+            self._log.close()
 
     # ---- the engine thread ---------------------------------------------------------------------------------------
 
@@ -160,6 +168,7 @@ class EngineThread:
                     self._cancel(req)
             if self.engine.has_work():
                 t0 = time.perf_counter()
+                before = self._phases() if self._log else None
                 try:
                     updated = self.engine.step()
                 except Exception:
@@ -169,8 +178,22 @@ class EngineThread:
                     took = time.perf_counter() - t0
                     self._step_s += took
                     self._step_counts[next(i for i, le in enumerate(STEP_BUCKETS) if took <= le)] += 1
+                    if self._log:
+                        self._log_step(t0, took, before)
                 self._publish(updated)
             self._snap()
+
+    def _phases(self) -> dict:
+        st = self.engine.stats
+        return {"prefill_s": st.prefill_s, "launch_s": st.launch_s, "wait_s": st.wait_s, "commit_s": st.host_s,
+                "prefill_calls": st.prefill_calls, "decode_calls": st.calls, "gc_s": self.gc.seconds}
+
+    def _log_step(self, t0: float, took: float, before: dict) -> None:
+        after, sch = self._phases(), self.engine.scheduler
+        line = {"t": round(t0, 6), "step_s": round(took, 6),
+                **{k: round(after[k] - before[k], 6) for k in after},
+                "running": len(sch.running), "waiting": len(sch.waiting)}
+        self._log.write(json.dumps(line) + "\n")
 
     def _add(self, req: Request, sink: asyncio.Queue) -> None:
         try:

@@ -295,7 +295,7 @@ s9-serve)  # issue #16: the server (default pair, s7-convert first) with every p
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-serve \
     $(ls /root/carry/.whl/*.whl | grep -v gguf) > /dev/null 2>&1
   A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
-  for v in primed unprimed; do
+  for v in ${SERVE_VARIANTS:-primed unprimed}; do
     JAXSPEC_PRIME=$([ $v = primed ] && echo 1 || echo 0) JAXSPEC_STEP_LOG="$OUT/steps-$v.jsonl" \
     PYTHONPATH=/tmp/site-serve:. timeout $([ $v = primed ] && echo ${SERVE_TIMEOUT:-360} || echo 150) \
       python3 -m jaxspec.bench serve --model /root/gemma-3-270m --assistant "$A" \
@@ -307,6 +307,12 @@ s9-serve)  # issue #16: the server (default pair, s7-convert first) with every p
 print(len(s), 'steps,', round(sum(x['step_s'] for x in s), 2), 's; the 8 longest:')
 for x in sorted(s, key=lambda x: -x['step_s'])[:8]: print(x)" 2>&1 | tail -9
   done ;;
+s9-diag)  # issue #16: one prefill call's wall time by rows and kernels on/off, one profiled call each and its top
+  # kernels (bench/diag_prefill.py); DIAG_MODEL: a model folder or a preset name (default: the converted 270M)
+  m=${DIAG_MODEL:-/root/gemma-3-270m}
+  timeout ${DIAG_TIMEOUT:-300} python3 bench/diag_prefill.py $m --rows ${DIAG_ROWS:-1,8,32} \
+    --kernels ${DIAG_KERNELS:-on,off} --profile /tmp/pf > "$OUT/diag-$(basename $m).log" 2>&1
+  grep -v "^W1\|^I1\|^ *$" "$OUT/diag-$(basename $m).log" | tail -60 ;;
 s9-e2e)  # issue #17: the shipped drafter at k 1..6 against plain, bs 1, 16 held-out prompts, 128 new tokens
   A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
   timeout ${E2E_TIMEOUT:-400} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$A" \

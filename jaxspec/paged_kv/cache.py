@@ -4,12 +4,13 @@ and the attention that the target forward (`jaxspec.model.gemma4.forward`) and t
 Layout: `kv[type]` holds `k` and `v` of shape `[L_type, num_pages * page_size, KVH, d]` (one stack per attention type,
 pages flattened to slots). Full-attention layers live in the full pool, sliding layers in the SWA pool; a position's
 sliding-layer slot is found through `swa_of_full` inside `gather_kv_indices`. Stacks start as zeros and are written by
-scatters into donated buffers; padded rows write to the dummy page 0.
+scatters into donated buffers; padded rows' writes (to the dummy page 0) are dropped.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +104,10 @@ def _attention_fn(use_kernels: bool, num_queries: int):
     return paged_attention if use_kernels else paged_attention_ref
 
 
+def _scatter(layer, slots, stack, rows):
+    return stack.at[layer, slots].set(rows, mode="drop", unique_indices=True)
+
+
 def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool):
     """An `Attend` over the paged cache: scatter the new K/V to the write slots, attend over the read window."""
 
@@ -111,10 +116,14 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool):
         m = meta.layers[t]
         if k is not None:
             B, T = m.write.shape
-            slots = m.write.reshape(-1)
             stack = kv[t]
-            kv = {**kv, t: LayerKV(k=stack.k.at[layer, slots].set(k.reshape(B * T, *k.shape[2:])),
-                                   v=stack.v.at[layer, slots].set(v.reshape(B * T, *v.shape[2:])))}
+            # Padding positions (slot 0, the dummy page) are dropped, not written: every index left is unique, so the
+            # scatter needs no atomics. Written to slot 0, a 256-position prefill chunk's padding serialised on one
+            # address: 15-20 ms a layer for a bucket-8 chunk on the H200 (BENCHMARKS.md session 9).
+            slots = jnp.where(m.write == 0, stack.k.shape[1], m.write).reshape(-1)
+            put = functools.partial(_scatter, layer, slots)
+            kv = {**kv, t: LayerKV(k=put(stack.k, k.reshape(B * T, *k.shape[2:])),
+                                   v=put(stack.v, v.reshape(B * T, *v.shape[2:])))}
         attn = _attention_fn(use_kernels, q.shape[1])
         out = attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi, scale=cfg.query_scale, layer=layer)
         return out, kv

@@ -25,8 +25,8 @@ def add_model_args(p) -> None:
 
 def add_engine_args(p) -> None:
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4,
-                   help="draft steps a round (default 4: the fastest with the default pair on the H200 at bs 1 and "
-                        "within 3%% of k 5 on the CPU, BENCHMARKS.md session 8)")
+                   help="draft steps a round (default 4: with the default pair, within 6%% of the fastest k of 1-6 "
+                        "on the H200 at bs 1 (k 6) and on the CPU (k 2), BENCHMARKS.md session 9)")
     p.add_argument("--max-running-requests", type=int, default=16)
     p.add_argument("--draft-mode", choices=("bucketed", "eager", "off"), default="bucketed")
     p.add_argument("--draft-bs", default="1,2,4,8,16,32,64", help="batch-size buckets, e.g. 1,2,4,8")

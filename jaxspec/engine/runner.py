@@ -117,10 +117,12 @@ class Runner:
         self.compiled_variants.add(sample)
 
     def prime(self) -> None:
-        """Run every compiled program once, on padding rows only, and wait for it. A program's first execution on a
-        GPU also loads its kernels (and sets up what they need), which is slow; without this, the first call of each
-        bucket stalls every running request (the server's first 8-row or 32-row step). Padding rows write only the
-        decode state's slot 0 and the pool's page 0, which belong to padding: real rows see nothing of it (tested)."""
+        """Run every compiled program once, on padding rows only, and wait for it, so that a program's one-time costs
+        on its first execution (on a GPU, loading its kernels) fall before serving, not on the first request of each
+        bucket, as vLLM's warm-up runs do. (Session 9 measured no gain from it: the server's stalls, the same with it
+        and without, came from the K/V scatter, fixed since; it was not measured again alone.) Padding rows write
+        nothing a real row reads (their K/V writes are dropped, their decode-state row is slot 0): tested bit for
+        bit in the middle of serving."""
         c = self.config
         for key, run in self.executables.items():
             if key in self._primed:

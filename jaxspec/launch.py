@@ -43,7 +43,8 @@ def add_engine_args(p) -> None:
     p.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
                    help="Pallas kernels (auto: on a GPU; on a CPU they run in interpret mode)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
-                   help="split the target over this many devices (jax.sharding; the Pallas kernels stay off)")
+                   help="split the target over this many devices (jax.sharding; the Pallas kernels are off unless "
+                        "--kernels on, which runs them per device)")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not keep or reuse compiled programs in the jaxspec cache (default: <cache>/xla)")
 
@@ -136,9 +137,6 @@ def check_engine_args(args) -> None:
                             ("--max-context", args.max_context, 1)):
         if value is not None and value < lo:
             raise ConfigError(f"{name} must be >= {lo}, got {value}")
-    if args.tensor_parallel_size > 1 and args.kernels == "on":
-        raise ConfigError("--kernels on does not run split over devices yet: use --kernels auto or off with "
-                          "--tensor-parallel-size > 1")
     buckets(args.draft_bs)
 
 

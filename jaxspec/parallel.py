@@ -11,11 +11,15 @@ A split that N does not divide is left replicated. Norms, scalars, the router, p
 replicated; so is the assistant (it reads the target's K/V shards through the partitioner). Sampling and acceptance
 run on replicated values, so every device holds the same tokens.
 
-Not yet: the Pallas kernels under `shard_map` (with N > 1 the engine runs the jnp paths), and the assistant's
-query heads split to match the target's K/V shards.
+With kernels (`--kernels on`; off by default at N > 1), each Pallas call runs per device under `shard_map` (the
+partitioner cannot split a kernel): the index kernel on replicated operands, the attention kernel on the device's
+query heads and its K/V heads (`per_device_attention`). The assistant's queries are split the same way there, so each
+device's drafter attends only to its own K/V shard.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import numpy as np
@@ -99,3 +103,37 @@ def kv_shardings(kv: dict, mesh: Mesh) -> dict:
 
 def place(tree, shardings):
     return jax.device_put(tree, shardings)
+
+
+def per_device(mesh: Mesh | None, kernel):
+    """kernel (operands and results replicated) run whole on every device under shard_map; unchanged without a mesh."""
+    if mesh is None:
+        return kernel
+    return jax.shard_map(kernel, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+
+
+def per_device_attention(mesh: Mesh, kernel, num_heads: int, kv_heads: int, layer: int):
+    """The attention kernel (`paged_attention`'s signature, keyword arguments bound) per device, or None where the
+    heads do not split evenly (the caller then runs the reference through the partitioner). Queries [B, T, H, d] go
+    by head; the K/V stacks [L, slots, KVH, d] as `kv_shardings` placed them: by KV head where N divides them, else
+    whole on every device, which then reads the layer's KV heads its query heads use (a copy of that layer)."""
+    n = mesh.shape[AXIS]
+    if num_heads % n:
+        return None
+    group, local = num_heads // kv_heads, num_heads // n
+    kv_split = kv_heads % n == 0
+    if not kv_split and local % group and group % local:
+        return None
+    head = P(None, None, AXIS, None)
+
+    def attend(q, k, v, read, kv_start, q_lo, q_hi):
+        if kv_split:
+            return kernel(q, k, v, read, kv_start, q_lo, q_hi, layer=layer)
+        first = jax.lax.axis_index(AXIS) * local // group
+        take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=first, slice_size=max(local // group, 1),
+                                 axis=1)
+        return kernel(q, take(k[layer]), take(v[layer]), read, kv_start, q_lo, q_hi)
+
+    kv = head if kv_split else P()
+    return jax.shard_map(attend, mesh=mesh, in_specs=(head, kv, kv, P(), P(), P(), P()), out_specs=head,
+                         check_vma=False)

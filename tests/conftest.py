@@ -86,15 +86,17 @@ def plain_reference():
     return prompts, outs
 
 
-def tiny_vocab_pair(V=6):
-    """A random pair over a vocabulary of V tokens, whose drafts often match: rounds commit several tokens."""
+def tiny_vocab_pair(V=6, heads=2, kv_heads=1):
+    """A random pair over a vocabulary of V tokens, whose drafts often match: rounds commit several tokens. heads,
+    kv_heads: the target's query and K/V heads (the drafter has as many query heads as the target)."""
     base = dataclasses.replace(
         PRESETS["E4B"], vocab_size=V, vocab_size_per_layer_input=V, hidden_size=32, intermediate_size=64,
-        num_layers=3, num_heads=2, num_kv_heads=1, num_global_kv_heads=1, head_dim=16, global_head_dim=16,
-        layer_types=(SLIDING, FULL, FULL), sliding_window=4, hidden_size_per_layer_input=0, num_kv_shared_layers=1)
+        num_layers=3, num_heads=heads, num_kv_heads=kv_heads, num_global_kv_heads=kv_heads, head_dim=16,
+        global_head_dim=16, layer_types=(SLIDING, FULL, FULL), sliding_window=4, hidden_size_per_layer_input=0,
+        num_kv_shared_layers=1)
     params = random_target_params(base, 3, jnp.float32)
     params["embed"] = params["embed"] * 15.0  # logits of std ~2: far from uniform, yet every token is plausible
-    acfg = assistant_preset(base, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, ordered=False)
+    acfg = assistant_preset(base, hidden_size=16, num_layers=1, num_heads=heads, intermediate_size=32, ordered=False)
     return base, params, acfg, random_assistant_params(acfg, 4, jnp.float32)
 
 

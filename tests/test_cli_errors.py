@@ -121,7 +121,7 @@ def build_cases(tmp):
              "--max-context 100000 exceeds the model's max_position_embeddings 256"),
             ("k_zero", ["-k", "0"], "-k/--num-speculative-tokens must be >= 1, got 0"),
             ("tp_zero", ["--tp", "0"], "--tensor-parallel-size must be >= 1, got 0"),
-            ("tp_with_kernels", ["--tp", "2", "--kernels", "on"], "--kernels on does not run split over devices"),
+            ("tp_beyond_devices", ["--tp", "2", "--kernels", "on"], "--tensor-parallel-size 2 needs 2 devices"),
             ("kv_pages_zero", ["--kv-pages", "0"], "--kv-pages must be >= 2, got 0"),
             ("stop_without_tokenizer", ["--stop", "w5"], "--stop needs a tokenizer")):
         case(name, run + flags + ["--output", str(old)], match, str(old))
@@ -215,7 +215,7 @@ CASE_NAMES = [
     "prompts_blank_txt", "prompts_json_read_as_jsonl", "prompts_json_list", "prompt_ids_bool", "prompt_ids_float",
     "prompt_ids_negative", "prompts_not_utf8", "request_index_oov", "request_index_too_long", "stop_empty",
     "temperature_nan", "temperature_inf", "top_p_nan", "top_k_negative", "seed_negative", "seed_too_big",
-    "max_context_zero", "max_context_negative", "max_context_above_model", "k_zero", "tp_zero", "tp_with_kernels",
+    "max_context_zero", "max_context_negative", "max_context_above_model", "k_zero", "tp_zero", "tp_beyond_devices",
     "kv_pages_zero",
     "stop_without_tokenizer", "assistant_missing", "config_is_list", "config_string_number", "config_bool_number",
     "config_not_utf8", "tensor_nan", "assistant_tensor_inf", "embed_int32", "safetensors_truncated",

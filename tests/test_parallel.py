@@ -1,7 +1,10 @@
 """Tensor parallelism (`--tensor-parallel-size`, `jaxspec.parallel`) on 4 forced CPU devices: greedy output at TP 2
 and 4 equals transformers' greedy continuations of the oracle checkpoints (a PLE model with 2 KV heads, so TP 4
 replicates its K/V, and a MoE model), with preemption under a small pool; the compiled round program holds the
-all-reduces of a split model and gathers no split weight; `generate --tp 2` writes the same tokens.
+all-reduces of a split model and gathers no split weight; `generate --tp 2` writes the same tokens. With the Pallas
+kernels (interpreted), run per device, a pair whose drafts are often accepted gives at TP 2 (K/V split by head) and
+TP 4 (K/V whole on each device) the tokens and the accept lengths of round after round of TP 1: the drafts too are
+the same.
 
 The device count is fixed when jax starts, so the runs happen in one subprocess."""
 
@@ -47,6 +50,21 @@ for case, tp, pages, rounds in (("e2b", 2, 24, 1), ("e2b", 4, None, 2), ("moe", 
                       "preemptions": eng.summary(reqs)["preemptions"], "layers": cfg.num_layers,
                       "all_reduce": ops["all-reduce"], "split_weights": len(split),
                       "weights_gathered": sorted(gathered & split), "kv_split": kv_split}))
+
+# the kernels per device: 4 query heads, 2 K/V heads (the drafter's queries as many as the target's)
+import numpy as np
+from conftest import tiny_vocab_pair
+cfg, params, acfg, aparams = tiny_vocab_pair(heads=4, kv_heads=2)
+rng = np.random.default_rng(7)
+prompts = [rng.integers(0, 6, int(n)).tolist() for n in rng.integers(2, 20, 8)]
+for tp in (1, 2, 4):
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, draft_mode="bucketed", buckets=(4,), max_running=4,
+                 page_size=4, max_context=64, prefill_chunk=8, tensor_parallel_size=tp, use_kernels=True)
+    reqs = [Request(prompt_ids=p, params=SamplingParams(max_new_tokens=24, ignore_eos=True)) for p in prompts]
+    eng.generate(reqs)
+    print(json.dumps({"kernels_tp": tp, "outputs": [r.output_ids for r in reqs],
+                      "accept_lengths": [r.accept_lengths for r in reqs],
+                      "kv_split": [bool(any(a.sharding.spec)) for a in jax.tree.leaves(eng.cache.kv)] if tp > 1 else []}))
 """
 
 
@@ -60,7 +78,18 @@ def runs(tmp_path_factory):
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
+def test_kernels_per_device_give_tp_1s_tokens_and_drafts(runs):
+    one, two, four = [r for r in runs if "kernels_tp" in r]
+    assert (one["kernels_tp"], two["kernels_tp"], four["kernels_tp"]) == (1, 2, 4)
+    assert all(two["kv_split"]) and not any(four["kv_split"])  # both ways the kernel meets the K/V
+    rounds = [n for lengths in one["accept_lengths"] for n in lengths]
+    assert sum(n > 1 for n in rounds) >= 20  # rounds that accepted drafts: the drafter's attention is checked
+    for r in (two, four):
+        assert r["outputs"] == one["outputs"] and r["accept_lengths"] == one["accept_lengths"]
+
+
 def test_greedy_at_tp_2_and_4_equals_transformers(runs):
+    runs = [r for r in runs if "case" in r]
     assert [(r["case"], r["tp"]) for r in runs] == [("e2b", 2), ("e2b", 4), ("moe", 2), ("moe", 4)]
     for r in runs:
         assert r["equal"] == [True] * 4, r
@@ -68,6 +97,7 @@ def test_greedy_at_tp_2_and_4_equals_transformers(runs):
 
 
 def test_the_split_program_reduces_and_gathers_no_weight(runs):
+    runs = [r for r in runs if "case" in r]
     for r in runs:
         assert r["split_weights"] >= 6  # q / o / gate_up / down per group, the embedding, ...
         # the all-reduces after the attention output and MLP down projections (XLA combines some), and no more: a
@@ -100,7 +130,7 @@ def test_generate_tp_2_writes_the_transformers_tokens(tmp_path):
         assert r["output_ids"] == ref[f"greedy_out_{i}"][0, p: p + n].tolist()
 
 
-def test_tp_beyond_the_devices_or_with_kernels_is_one_clear_error():
+def test_tp_beyond_the_devices_or_with_the_fused_draft_is_one_clear_error():
     from jaxspec.config import ConfigError
     from jaxspec.engine import Engine
     from jaxspec.model.weights import load_target
@@ -109,6 +139,6 @@ def test_tp_beyond_the_devices_or_with_kernels_is_one_clear_error():
     with pytest.raises(ConfigError, match="--tensor-parallel-size 2 needs 2 devices"):
         Engine(cfg, params, draft_mode="off", buckets=(1,), max_running=1, page_size=4, max_context=64,
                tensor_parallel_size=2)
-    with pytest.raises(ConfigError, match="Pallas kernels do not run split over devices"):
+    with pytest.raises(ConfigError, match="fused drafter kernels do not run split over devices"):
         Engine(cfg, params, draft_mode="off", buckets=(1,), max_running=1, page_size=4, max_context=64,
-               tensor_parallel_size=2, use_kernels=True)
+               tensor_parallel_size=2, use_kernels=True, fused_draft=True)

@@ -33,7 +33,8 @@ DRAFT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 
 def draft(aparams, target_embed, kv, pages: PageTables, cached_len, pending_token, seed_hidden, *,
-          acfg: AssistantConfig, target: TargetConfig, spec: CacheSpec, k: int, use_kernels: bool, fused: bool = False):
+          acfg: AssistantConfig, target: TargetConfig, spec: CacheSpec, k: int, use_kernels: bool, fused: bool = False,
+          mesh=None):
     """k draft steps for a batch. cached_len, pending_token: i32[B]; seed_hidden: [B, H_target]. With kernels, the
     step is the jnp step with the attention kernel, or with `fused` (where the drafter's shapes allow) the fused
     kernels' step (`propose_fused`; off by default: on the H200 it matches the default step's kernel time but
@@ -42,12 +43,12 @@ def draft(aparams, target_embed, kv, pages: PageTables, cached_len, pending_toke
     Returns (drafts i32[B, k], the last h_next [B, H_target]).
     """
     types = acfg.text.layer_types
-    meta = draft_metadata(spec, pages, cached_len, acfg.text.sliding_window, types, use_kernels=use_kernels)
-    if use_kernels and fused and fused_supported(acfg):
+    meta = draft_metadata(spec, pages, cached_len, acfg.text.sliding_window, types, use_kernels=use_kernels, mesh=mesh)
+    if use_kernels and fused and fused_supported(acfg) and mesh is None:
         attend = draft_attend_rows(target, acfg.text, meta)
         return propose_fused(aparams, acfg, target_embed, pending_token, seed_hidden, cached_len,
                              lambda i, q, rope: attend(kv, i, q, rope), k=k)
-    attend = draft_attend(target, types, meta, use_kernels=use_kernels)
+    attend = draft_attend(target, types, meta, use_kernels=use_kernels, mesh=mesh)
     return propose(aparams, acfg, target_embed, pending_token, seed_hidden, cached_len, attend, kv, k=k)
 
 

@@ -49,8 +49,8 @@ class EngineConfig:
         object.__setattr__(self, "buckets", buckets)
         if self.draft_mode == "off":
             object.__setattr__(self, "k", 0)
-        if self.tensor_parallel_size > 1 and self.use_kernels:
-            raise ConfigError("the Pallas kernels do not run split over devices yet: use --kernels off (or auto) "
+        if self.tensor_parallel_size > 1 and self.use_kernels and self.fused_draft:
+            raise ConfigError("the fused drafter kernels do not run split over devices: use the default draft step "
                               "with --tensor-parallel-size > 1")
         if self.tensor_parallel_size > 1 and self.draft_mode == "eager":
             raise ConfigError("--draft-mode eager runs on one device: use bucketed with --tensor-parallel-size > 1")

@@ -95,11 +95,13 @@ class Programs:
     use_kernels: bool
     eos: tuple[int, ...]
     fused_draft: bool = False  # the drafter step through its fused kernels (with kernels, where shapes allow)
+    mesh: object = None  # the tensor-parallel mesh (`jaxspec.parallel`): the kernels run per device
 
     def _forward(self, weights: Weights, kv, pages: PageTables, tokens, cached_len, num_new):
         meta = step_metadata(self.cfg, self.spec, pages, cached_len, num_new, tokens.shape[1],
-                             use_kernels=self.use_kernels)
-        return gemma4.paged_forward(weights.target, self.cfg, kv, meta, tokens, use_kernels=self.use_kernels)
+                             use_kernels=self.use_kernels, mesh=self.mesh)
+        return gemma4.paged_forward(weights.target, self.cfg, kv, meta, tokens, use_kernels=self.use_kernels,
+                                    mesh=self.mesh)
 
     def prefill(self, sample: bool):
         def prefill(weights: Weights, kv, state: DecodeState, batch: PrefillBatch, pages: PageTables):
@@ -131,7 +133,8 @@ class Programs:
             if drafts is None and k:
                 drafts, _ = draft(weights.assistant, weights.target["embed"], kv, pages, rows.cached_len,
                                   rows.pending_token, rows.seed_hidden, acfg=self.acfg, target=self.cfg,
-                                  spec=self.spec, k=k, use_kernels=self.use_kernels, fused=self.fused_draft)
+                                  spec=self.spec, k=k, use_kernels=self.use_kernels, fused=self.fused_draft,
+                                  mesh=self.mesh)
             elif drafts is None:
                 drafts = jnp.zeros((B, 0), jnp.int32)
             tokens = jnp.concatenate([rows.pending_token[:, None], drafts], axis=1)  # [B, k+1]

@@ -148,10 +148,11 @@ dense_forward_jit = jax.jit(dense_forward, static_argnums=(1,), donate_argnums=(
 # ---- the paged cache: what the engine runs ---------------------------------------------------------------------------
 
 
-def paged_forward(params, cfg: TargetConfig, kv, meta: StepMetadata, tokens, *, use_kernels: bool = True):
+def paged_forward(params, cfg: TargetConfig, kv, meta: StepMetadata, tokens, *, use_kernels: bool = True, mesh=None):
     """Process tokens [B, T] over the paged cache, as `meta` (`paged_kv.metadata.step_metadata`) places them: a
     prefill chunk, a decode or a verify step; padded positions' outputs are meaningless.
 
     Returns (hidden [B, T, H], kv). Logits are taken by the caller on the rows it needs (`logits`).
     """
-    return forward(params, cfg, tokens, meta.positions, paged_attend(cfg, meta, use_kernels=use_kernels), kv)
+    return forward(params, cfg, tokens, meta.positions, paged_attend(cfg, meta, use_kernels=use_kernels, mesh=mesh),
+                   kv)

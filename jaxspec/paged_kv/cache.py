@@ -108,8 +108,23 @@ def _scatter(layer, slots, stack, rows):
     return stack.at[layer, slots].set(rows, mode="drop", unique_indices=True)
 
 
-def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool):
-    """An `Attend` over the paged cache: scatter the new K/V to the write slots, attend over the read window."""
+def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_heads: int, layer: int, **kw):
+    """`_attention_fn`'s choice called as attn(q, k, v, read, kv_start, q_lo, q_hi); on a mesh the kernel runs per
+    device (`jaxspec.parallel.per_device_attention`), or the reference where the heads do not split evenly."""
+    attn = _attention_fn(use_kernels, num_queries)
+    if mesh is not None and attn is paged_attention:
+        from jaxspec.parallel import per_device_attention
+
+        split = per_device_attention(mesh, functools.partial(attn, **kw), num_heads, kv_heads, layer)
+        if split is not None:
+            return split
+        attn = paged_attention_ref
+    return functools.partial(attn, layer=layer, **kw)
+
+
+def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, mesh=None):
+    """An `Attend` over the paged cache: scatter the new K/V to the write slots, attend over the read window. mesh:
+    the tensor-parallel mesh (`jaxspec.parallel`), where the kernels run per device."""
 
     def attend(kv, i, q, k, v):
         t, layer = cfg.kv_slot(i)
@@ -124,24 +139,23 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool):
             put = functools.partial(_scatter, layer, slots)
             kv = {**kv, t: LayerKV(k=put(stack.k, k.reshape(B * T, *k.shape[2:])),
                                    v=put(stack.v, v.reshape(B * T, *v.shape[2:])))}
-        attn = _attention_fn(use_kernels, q.shape[1])
-        out = attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi, scale=cfg.query_scale, layer=layer)
-        return out, kv
+        attn = _attend_fn(use_kernels, q.shape[1], mesh, q.shape[2], kv[t].k.shape[2], layer, scale=cfg.query_scale)
+        return attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi), kv
 
     return attend
 
 
-def draft_attend(cfg: TargetConfig, layer_types, meta: dict, *, use_kernels: bool = True):
+def draft_attend(cfg: TargetConfig, layer_types, meta: dict, *, use_kernels: bool = True, mesh=None):
     """An `Attend` for drafter layer i (type layer_types[i]): Q-only attention over the target store layer of that
-    type. meta: {type: AttentionMetadata} (`draft_metadata`)."""
+    type. meta: {type: AttentionMetadata} (`draft_metadata`). mesh: as `paged_attend`'s (the drafter's query heads
+    then split as the target's K/V heads do)."""
     store = {t: len(cfg.kv_layers[t]) - 1 for t in cfg.kv_layers if cfg.kv_layers[t]}
 
     def attend(kv, i, q, k, v):
         t = layer_types[i]
         m = meta[t]
-        out = _attention_fn(use_kernels, q.shape[1])(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi,
-                                                     layer=store[t])
-        return out, kv
+        attn = _attend_fn(use_kernels, q.shape[1], mesh, q.shape[2], kv[t].k.shape[2], store[t])
+        return attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi), kv
 
     return attend
 

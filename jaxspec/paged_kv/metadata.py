@@ -6,6 +6,7 @@ from the page tables and `cached_len` (the drafter's eager reference builds the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,17 +74,32 @@ def window_start(layer_type: str, cached_len, keep: int):
     return jnp.zeros_like(cached_len)
 
 
+def _gather(use_kernels: bool, mesh):
+    """The index kernel (per device on a tensor-parallel mesh: `jaxspec.parallel.per_device`) or its reference."""
+    if not use_kernels:
+        return gather_kv_indices_ref
+    if mesh is None:
+        return gather_kv_indices
+    from jaxspec.parallel import per_device
+
+    def gather(page_table, kv_start, kv_end, swa_of_full, **kw):
+        return per_device(mesh, functools.partial(gather_kv_indices, **kw))(page_table, kv_start, kv_end, swa_of_full)
+
+    return gather
+
+
 def step_metadata(cfg: TargetConfig, spec: CacheSpec, pages: PageTables, cached_len, num_new, num_tokens: int, *,
-                  use_kernels: bool) -> StepMetadata:
+                  use_kernels: bool, mesh=None) -> StepMetadata:
     """Metadata of a target step in which row b writes positions cached_len[b] .. cached_len[b] + num_new[b] - 1.
 
-    cached_len, num_new: i32[B]; rows with num_new < num_tokens are padded (num_new = 0: an empty row).
+    cached_len, num_new: i32[B]; rows with num_new < num_tokens are padded (num_new = 0: an empty row). mesh: the
+    tensor-parallel mesh, where the kernels run per device.
     """
     T = num_tokens
     positions = cached_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     real = jnp.arange(T)[None, :] < num_new[:, None]
     end = cached_len + num_new
-    gather = gather_kv_indices if use_kernels else gather_kv_indices_ref
+    gather = _gather(use_kernels, mesh)
     P = spec.page_size
     layers = {}
     for t, kv_layers in cfg.kv_layers.items():
@@ -108,14 +124,14 @@ def draft_window_width(spec: CacheSpec, layer_type: str, window: int) -> int:
 
 
 def draft_metadata(spec: CacheSpec, pages: PageTables, cached_len, window: int, layer_types, *,
-                   use_kernels: bool = True) -> dict:
+                   use_kernels: bool = True, mesh=None) -> dict:
     """The drafter's windows, one per attention type, shared by all k steps (device side, live entries only, the SWA
     translation in the same kernel): full layers read [0, cached_len), sliding layers the last window + 1 positions
     (transformers' assistant mask keeps the last W + 1).
 
     cached_len: i32[B] (0 for padded rows: they see no key). Returns {type: AttentionMetadata} (read only).
     """
-    gather = gather_kv_indices if use_kernels else gather_kv_indices_ref
+    gather = _gather(use_kernels, mesh)
     meta = {}
     for t in sorted(set(layer_types)):
         kv_start = window_start(t, cached_len, window + 1)

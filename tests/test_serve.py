@@ -376,8 +376,8 @@ def test_engine_thread_survives_engine_errors():
     asyncio.run(main())
 
 
-def test_bad_flags_exit_2(capsys):
-    """Bad flags and an unusable port: one line, exit 2, before any model loads."""
+def test_bad_flags_exit_2(capsys, monkeypatch, tmp_path):
+    """Bad flags, an unusable port or step-log file: one line, exit 2, before any model loads."""
     import socket
 
     from jaxspec.serve.cli import main
@@ -392,6 +392,9 @@ def test_bad_flags_exit_2(capsys):
         assert main(["--port", str(taken.getsockname()[1])]) == 2
     assert main(["--max-context", "0"]) == 2  # the engine flags are generate's, checked as generate checks them
     assert main(["--model", "/nonexistent"]) == 2
+    monkeypatch.setenv("JAXSPEC_STEP_LOG", str(tmp_path / "no" / "such" / "steps.jsonl"))
+    assert main([]) == 2
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 5 and all(x.startswith("error: ") for x in lines), lines
+    assert len(lines) == 6 and all(x.startswith("error: ") for x in lines), lines
     assert "--max-context" in lines[3] and "/nonexistent" in lines[4], lines
+    assert "JAXSPEC_STEP_LOG" in lines[5] and "cannot append" in lines[5], lines

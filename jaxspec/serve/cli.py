@@ -7,6 +7,7 @@ Bad input prints one line and exits with status 2.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
@@ -42,8 +43,21 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_step_log() -> None:
+    """$JAXSPEC_STEP_LOG (the engine thread's per-step log, `jaxspec.serve.bridge`) must be a file it can append to."""
+    from jaxspec.config import ConfigError
+
+    path = os.environ.get("JAXSPEC_STEP_LOG")
+    if path:
+        try:
+            open(path, "a").close()
+        except OSError as e:
+            raise ConfigError(f"JAXSPEC_STEP_LOG={path}: cannot append to it: {e.strerror or e}") from None
+
+
 def run(args) -> int:
     check_args(args)  # the engine flags and the model folders' configs, before the port is taken or jax loads
+    check_step_log()
     sock = listen(args.host, args.port)
     import jax
     import uvicorn

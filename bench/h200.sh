@@ -15,7 +15,8 @@
 # (mixed.jsonl.xz from `python -m jaxspec.corpus --max-per-source 12000 --stride 64`), s8-train, s8-e2e.
 # session 9 (issues #16, #17): the GGUF in four xz parts (.gg0 with .whl, .gg1, .gg2, .gg3, each staged by s6-stage,
 # the working tree cut to jaxspec/ without its assets and bench/), then with the whole tree: s7-convert, s9-serve;
-# s9-e2e.
+# s9-e2e. Have the next command ready before a call ends: a machine idle for 30 s is given back, and what was staged
+# on it with it (session 9 staged the GGUF twice so). Next: s10-trace270.
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -313,6 +314,16 @@ s9-diag)  # issue #16: one prefill call's wall time by rows and kernels on/off, 
   timeout ${DIAG_TIMEOUT:-300} python3 bench/diag_prefill.py $m --rows ${DIAG_ROWS:-1,8,32} \
     --kernels ${DIAG_KERNELS:-on,off} --profile /tmp/pf > "$OUT/diag-$(basename $m).log" 2>&1
   grep -v "^W1\|^I1\|^ *$" "$OUT/diag-$(basename $m).log" | tail -60 ;;
+s10-trace270)  # issue #17 (next): where a 270M round's fixed ~1.2 ms goes (s7-convert first): plain (row-0) and k 4
+  # (row-1), one round a call, both traced; kernel launches, top kernels and XLA modules per round
+  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
+  XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout 300 python3 -m jaxspec.bench e2e \
+    --model /root/gemma-3-270m --assistant "$A" --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 4 \
+    --new-tokens 64 --modes off,bucketed -k 4 --rounds-per-call 1 --overlap on --profile-dir /tmp/t \
+    --json "$OUT/e2e-270m-r1.json" > "$OUT/trace270.log" 2>&1
+  for i in 0 1; do timeout 100 python3 -m jaxspec.bench trace /tmp/t/row-$i --top 25 \
+    --json "$OUT/trace270-row$i.json" >> "$OUT/trace270.log" 2>&1; done
+  grep -h "^e2e bs\|launches\|all kernels\|Error" "$OUT"/trace270.log | head -20 ;;
 s9-e2e)  # issue #17: the shipped drafter at k 1..6 against plain, bs 1, 16 held-out prompts, 128 new tokens
   A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
   timeout ${E2E_TIMEOUT:-400} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$A" \

@@ -2,6 +2,7 @@
 keys it promises. No timing is asserted: figures come from the GPU, never from tests."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -122,13 +123,15 @@ def test_e2e_profile_then_trace_summary(tmp_path, capsys):
     on that CPU trace, or on a folder without one, says so in one line and exits 2. The summary of a trace with
     device kernels: test_trace_summary_of_a_gpu_trace."""
     prof = str(tmp_path / "prof")
-    r = run(tmp_path, "e2e", "--preset", "tiny", "--bs", "1", "--modes", "bucketed", "--prompt-len", "8",
+    r = run(tmp_path, "e2e", "--preset", "tiny", "--bs", "1", "--modes", "off,bucketed", "--prompt-len", "8",
             "--new-tokens", "4", "--chunk", "8", "--page-size", "4", "--profile-dir", prof)
-    (row,) = r["rows"]
-    assert row["gpu_busy_fraction"] is None and row["round_gap_us"] is None
+    assert [row["mode"] for row in r["rows"]] == ["off", "bucketed"]  # plain and speculative rows, each traced
+    for i, row in enumerate(r["rows"]):
+        assert row["gpu_busy_fraction"] is None and row["round_gap_us"] is None
+        assert os.path.isdir(os.path.join(prof, f"row-{i}"))
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        run(tmp_path, "trace", prof)
+        run(tmp_path, "trace", os.path.join(prof, "row-1"))
     assert e.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert "no device kernels" in line

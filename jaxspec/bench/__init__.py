@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--page-size", type=positive, default=16)
     common.add_argument("--profile-dir", help="write a jax profiler trace here: propose / decode / verify trace 20 "
                         "calls of the first bucketed or paged figure (`python -m jaxspec.bench trace DIR --rounds "
-                        "20`), e2e each bucketed run of the first bs into DIR/row-N (`... trace DIR/row-N`, and "
+                        "20`), e2e each bucketed and plain run of the first bs into DIR/row-N (`... trace DIR/row-N`, and "
                         "its row gets gpu_busy_fraction and round_gap_us); set XLA_FLAGS=--xla_enable_command_"
                         "buffers_during_profiling=true to keep the CUDA graphs as production runs them")
     common.add_argument("--hbm-bw", type=float, default=HBM_BYTES_PER_S, help="HBM bytes/s of the bound")

@@ -150,8 +150,8 @@ def run(args) -> dict:
                         "overlap": overlap}
             engine = make_engine(pair, bs, mode, k, args,
                                  **{n: v for n, v in settings.items() if v is not None and n != "k"})
-            profile_dir = None  # the bucketed rows of the first bs are traced, each into its own folder
-            if args.profile_dir and mode == "bucketed" and bs == args.bs[0]:
+            profile_dir = None  # the speculative and plain rows of the first bs are traced, each into its own folder
+            if args.profile_dir and mode in ("bucketed", "off") and bs == args.bs[0]:
                 profile_dir = os.path.join(args.profile_dir, f"row-{len(rows)}")
             figures, outputs = measure(engine, prompts, args, profile_dir)
             row = {"bs": bs, "mode": mode, "k": engine.k, "requests": len(prompts),

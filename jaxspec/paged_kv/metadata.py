@@ -50,7 +50,7 @@ class AttentionMetadata:
     kv_start: jax.Array  # i32[B]  position of key 0
     q_lo: jax.Array  # i32[B, T]   query t sees the keys at positions q_lo..q_hi
     q_hi: jax.Array  # i32[B, T]   (q_hi < q_lo: a padded query that sees nothing)
-    write: jax.Array | None = None  # i32[B, T] slot of each new position's K/V (padding -> dummy slot 0); None: read only
+    write: jax.Array | None = None  # i32[B, T] slot of each new position's K/V (padding: 0, dropped); None: read only
 
 
 @jax.tree_util.register_dataclass

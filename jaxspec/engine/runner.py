@@ -123,25 +123,16 @@ class Runner:
         and without, came from the K/V scatter, fixed since; it was not measured again alone.) Padding rows write
         nothing a real row reads (their K/V writes are dropped, their decode-state row is slot 0): tested bit for
         bit in the middle of serving."""
-        c = self.config
-        for key, run in self.executables.items():
+        for key in list(self.executables):
             if key in self._primed:
                 continue
-            kind, bucket, _ = key
-            slot, pages = self.inputs([None] * bucket)
+            kind, bucket, sample = key
             if kind == "prefill":
-                z = np.zeros(bucket, np.int32)
-                batch = jax.device_put(PrefillBatch(
-                    tokens=np.zeros((bucket, c.prefill_chunk), np.int32), cached_len=z, num_new=z, slot=z,
-                    last=np.zeros(bucket, bool), pending_token=z, num_generated=z, max_new_tokens=z,
-                    ignore_eos=np.zeros(bucket, bool), sampling=SamplingMetadata.build([], bucket)),
-                    self.cache.upload_sharding)
-                self.cache.kv, self.state, out = run(self.weights, self.cache.kv, self.state, batch, pages)
+                self.prefill([], bucket, sample)
             else:
-                extra = (jax.device_put(np.zeros((bucket, c.k), np.int32), self.cache.upload_sharding),) \
-                    if c.draft_mode == "eager" else ()
-                self.cache.kv, self.state, out = run(self.weights, self.cache.kv, self.state, slot, pages, *extra)
-            fetch(out)
+                drafts = jax.device_put(np.zeros((bucket, self.config.k), np.int32), self.cache.upload_sharding) \
+                    if self.config.draft_mode == "eager" else None
+                fetch(self.decode([], bucket, drafts, sample))
             self._primed.add(key)
 
     def rebuild(self) -> None:
@@ -167,8 +158,9 @@ class Runner:
             hit = self._uploads[key] = (table, slot, *jax.device_put((slot, table), self.cache.upload_sharding))
         return hit[2], PageTables(page_table=hit[3], swa_of_full=self.cache.swa_of_full)
 
-    def prefill(self, rows: list[tuple[Request, int, int]], bucket: int) -> np.ndarray:
-        """Run one chunk (positions [start, end) of each request); returns the chosen token per row (host)."""
+    def prefill(self, rows: list[tuple[Request, int, int]], bucket: int, sample: bool | None = None) -> np.ndarray:
+        """Run one chunk (positions [start, end) of each request); returns the chosen token per row (host). sample:
+        the program variant (default: sampled if any row samples)."""
         c, B = self.config, bucket
         tokens = np.zeros((B, c.prefill_chunk), np.int32)
         cols = {name: np.zeros(B, np.int32) for name in
@@ -187,7 +179,8 @@ class Runner:
         batch = jax.device_put(PrefillBatch(tokens=tokens, last=last, ignore_eos=ignore_eos,
                                             sampling=SamplingMetadata.build([r.params for r in requests], B), **cols),
                                self.cache.upload_sharding)
-        sample = any(r.params.temperature > 0 for r in requests)
+        if sample is None:
+            sample = any(r.params.temperature > 0 for r in requests)
         _, pages = self.inputs(requests + [None] * (B - len(rows)))
         self.cache.kv, self.state, token = self.executables[("prefill", B, sample)](
             self.weights, self.cache.kv, self.state, batch, pages)
@@ -200,11 +193,12 @@ class Runner:
         steps under `jax.transfer_guard("disallow")`)."""
         return fetch(out)
 
-    def decode(self, requests: list[Request], bucket: int, drafts=None) -> jax.Array:
+    def decode(self, requests: list[Request], bucket: int, drafts=None, sample: bool | None = None) -> jax.Array:
         """Launch one decode call (rounds_per_call rounds); returns its output on the device, not waited for:
-        i32[bucket, R, k + 2], per round the committed tokens and (last) their count."""
+        i32[bucket, R, k + 2], per round the committed tokens and (last) their count. sample: as `prefill`'s."""
         slot, pages = self.inputs(requests + [None] * (bucket - len(requests)))
-        sample = any(r.params.temperature > 0 for r in requests)
+        if sample is None:
+            sample = any(r.params.temperature > 0 for r in requests)
         extra = () if drafts is None else (drafts,)
         self.cache.kv, self.state, out = self.executables[("decode", bucket, sample)](
             self.weights, self.cache.kv, self.state, slot, pages, *extra)

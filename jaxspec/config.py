@@ -33,6 +33,19 @@ def compile_threads_env() -> int | None:
     return int(value)
 
 
+SWITCHES = ("JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE")  # on/off environment switches, for comparing runs
+
+
+def env_switch(name: str) -> bool | None:
+    """An on/off switch of the environment (one of SWITCHES): "1" on, "0" off, None when unset."""
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    if value not in ("0", "1"):
+        raise ConfigError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def read_utf8(path: str, what: str = "file") -> str:
     """The text of the file at `path`; a missing file or one that is not UTF-8 is a ConfigError (saying where)."""
     if not os.path.isfile(path):

@@ -247,6 +247,18 @@ def test_bad_compile_threads_is_one_line_before_anything_loads(value, monkeypatc
     assert err == f"error: JAXSPEC_COMPILE_THREADS must be a whole number >= 1, got {value!r}" and not out.exists()
 
 
+@pytest.mark.parametrize("name", ["JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE"])
+def test_bad_switch_is_one_line_before_anything_loads(name, monkeypatch, capsys, tmp_path):
+    """The on/off environment switches take 0 or 1; anything else is one line, exit 2, no output file."""
+    from jaxspec.generate import main
+
+    monkeypatch.setenv(name, "yes")
+    out = tmp_path / "out.jsonl"
+    assert main(["--model", golden_path("e2b", "target"), "--prompt", "x", "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {name} must be 0 or 1, got 'yes'" and not out.exists()
+
+
 def test_engine_validate_names_the_request():
     """The engine API's own check (the server's requests do not pass the CLI's flag checks)."""
     from jaxspec.config import ConfigError

@@ -12,14 +12,13 @@ import dataclasses
 import gc
 import math
 import numbers
-import os
 import time
 from typing import Callable
 
 import jax
 import numpy as np
 
-from jaxspec.config import AssistantConfig, ConfigError, TargetConfig, check_pair
+from jaxspec.config import AssistantConfig, ConfigError, TargetConfig, check_pair, env_switch
 from jaxspec.draft.eager import EagerDrafter
 from jaxspec.engine.config import EngineConfig
 from jaxspec.engine.programs import Programs, Weights
@@ -53,7 +52,7 @@ def freeze_heap() -> None:
     over a compiled server's heap took 250-300 ms on the CPU). The entry points call it after compiling, as vLLM's
     engine does after start-up. Objects frozen by an earlier call are thawed and collected first, so that an
     engine dropped since (its device buffers too) is freed. JAXSPEC_GC_FREEZE=0 turns it off (to compare)."""
-    if os.environ.get("JAXSPEC_GC_FREEZE", "1") != "0":
+    if env_switch("JAXSPEC_GC_FREEZE") is not False:
         gc.unfreeze()
         gc.collect()
         gc.freeze()
@@ -131,9 +130,8 @@ class Engine:
         if sample:
             self.runner.compile(True, progress)
         if prime is None:
-            env = os.environ.get("JAXSPEC_PRIME")
-            prime = env != "0" if env in ("0", "1") else jax.default_backend() != "cpu"
-        if prime:
+            prime = env_switch("JAXSPEC_PRIME")
+        if prime if prime is not None else jax.default_backend() != "cpu":
             self.runner.prime()
 
     def rebuild(self, **sizes) -> None:

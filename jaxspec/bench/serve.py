@@ -195,15 +195,13 @@ def run(args) -> dict:
     if any(len(t) > 2 for t in timing):  # a jaxspec server: where its engine thread's time went
         names = ["engine_step_seconds_total", "engine_prefill_seconds_total", "engine_launch_seconds_total",
                  "engine_wait_seconds_total", "engine_commit_seconds_total", "gc_pause_seconds_total"]
-        print_table("the server's engine thread (s), its calls and the garbage collector's pauses",
-                    [("clients", "clients", "{}"), ("wall_s", "wall", "{:.2f}"),
-                     *[(n, n.removeprefix("engine_").removesuffix("_seconds_total"), "{:.2f}") for n in names],
-                     ("decode_calls_total", "decode calls", "{:.0f}"), ("prefill_calls_total", "prefills", "{:.0f}"),
-                     ("engine_steps", "steps", "{:.0f}"), ("engine_steps_over_250ms", "steps > 0.25 s", "{:.0f}"),
-                     ("gc_full_collections_total", "full gc", "{:.0f}"), ("gc_collections_total", "gc", "{:.0f}")],
-                    [{k: t.get(k) for k in ["clients", "wall_s", *names, "decode_calls_total", "prefill_calls_total",
-                                           "engine_steps", "engine_steps_over_250ms", "gc_full_collections_total",
-                                           "gc_collections_total"]} for t in timing])
+        engine = [("clients", "clients", "{}"), ("wall_s", "wall", "{:.2f}"),
+                  *[(n, n.removeprefix("engine_").removesuffix("_seconds_total"), "{:.2f}") for n in names],
+                  ("decode_calls_total", "decode calls", "{:.0f}"), ("prefill_calls_total", "prefills", "{:.0f}"),
+                  ("engine_steps", "steps", "{:.0f}"), ("engine_steps_over_250ms", "steps > 0.25 s", "{:.0f}"),
+                  ("gc_full_collections_total", "full gc", "{:.0f}"), ("gc_collections_total", "gc", "{:.0f}")]
+        print_table("the server's engine thread (s), its calls and the garbage collector's pauses", engine,
+                    [{key: t.get(key) for key, _, _ in engine} for t in timing])
     return {"server": args.url or f"started: --model {args.model} {args.server_args}".strip(), "model": model,
             "max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client,
             "temperature": args.temperature, "rows": rows}

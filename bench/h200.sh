@@ -314,6 +314,17 @@ s9-diag)  # issue #16: one prefill call's wall time by rows and kernels on/off, 
   timeout ${DIAG_TIMEOUT:-300} python3 bench/diag_prefill.py $m --rows ${DIAG_ROWS:-1,8,32} \
     --kernels ${DIAG_KERNELS:-on,off} --profile /tmp/pf > "$OUT/diag-$(basename $m).log" 2>&1
   grep -v "^W1\|^I1\|^ *$" "$OUT/diag-$(basename $m).log" | tail -60 ;;
+s10-launch)  # issues #14/#17: the host's cost per call of an N-kernel program and of the bs-1 propose under XLA's
+  # command-buffer update modes (bench/diag_launch.py; FLAGSETS: `;`-separated XLA_FLAGS sets, "default" = none)
+  IFS=';' read -ra sets <<< "${FLAGSETS:-default;--xla_gpu_command_buffer_update_mode=SKIP_TEMP;--xla_gpu_command_buffer_update_mode=SKIP_PROFILED;--xla_gpu_temp_buffer_use_separate_color=true;--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_update_mode=SKIP_TEMP}"
+  i=0; for f in "${sets[@]}"; do i=$((i+1)); [ "$f" = default ] && f=""
+    XLA_FLAGS="$f" timeout 120 python3 bench/diag_launch.py --kernels ${LAUNCH_N:-50,400} --json "$OUT/launch-$i.json" \
+      > "$OUT/launch-$i.log" 2>&1; grep -v "^W\|^I" "$OUT/launch-$i.log" | tail -4; done
+  [ -n "${PROPOSE_SETS:-}" ] && IFS=';' read -ra psets <<< "$PROPOSE_SETS" && i=0 && for f in "${psets[@]}"; do
+    i=$((i+1)); [ "$f" = default ] && f=""
+    XLA_FLAGS="$f" timeout 150 python3 -m jaxspec.bench propose --bs 1,16 --ctx 4096 --variants bucketed \
+      --json "$OUT/propose-$i.json" > "$OUT/propose-$i.log" 2>&1; echo "== $f"; grep -A3 "^ctx  bs" "$OUT/propose-$i.log"
+    grep "Error" "$OUT/propose-$i.log" | head -3; done ;;
 s10-trace270)  # issue #17 (next): where a 270M round's fixed ~1.2 ms goes (s7-convert first): plain (row-0) and k 4
   # (row-1), one round a call, both traced; kernel launches, top kernels and XLA modules per round
   A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")

@@ -34,8 +34,23 @@ def entry_kernels(hlo: str) -> int:
     return sum(1 for line in entry.splitlines() if " fusion(" in line or " custom-call(" in line)
 
 
-def per_call(fn, x, calls: int, donate: bool, stream: bool) -> float:
+def per_call(fn, x, calls: int, donate: bool, stream: bool, pair: bool = False) -> float:
     import jax
+
+    if pair:  # fn returns (donated state, a small fresh output): the engine's decode call
+        def one(cur):
+            return fn(cur)[0]
+        cur = x + 0
+        jax.block_until_ready(cur)
+        times, t0 = [], time.perf_counter()
+        for _ in range(calls):
+            t1 = time.perf_counter()
+            cur, small = fn(cur)
+            if not stream:
+                jax.block_until_ready(small)
+                times.append(time.perf_counter() - t1)
+        jax.block_until_ready(cur)
+        return (time.perf_counter() - t0) / calls * 1e6 if stream else statistics.median(times) * 1e6
 
     y = fn(x if not donate else x + 0)
     jax.block_until_ready(y)
@@ -72,7 +87,7 @@ def main():
     rows = []
     print("XLA_FLAGS:", os.environ.get("XLA_FLAGS", ""))
     print(f"{'N':>5} {'kernels':>7} {'fresh':>9} {'donated':>9} {'fresh stream':>12} {'donated stream':>14} "
-          f"{'loop x8':>9}")
+          f"{'state+small':>11} {'state+small stream':>18} {'loop x8':>9}")
     for n in [int(v) for v in a.kernels.split(",")]:
         f = chain(n)
         fresh = jax.jit(f)
@@ -84,15 +99,19 @@ def main():
             return lax.while_loop(lambda c: c[0] < 8, lambda c: (c[0] + 1, f(c[1])), (0, x))[1]
 
         loop = jax.jit(loop_fn)
+        state_small = jax.jit(lambda x: (lambda y: (y, jnp.sum(y)[None]))(f(x)), donate_argnums=0)
         row = {"n": n, "kernels": kernels,
                "fresh_us": per_call(fresh, x, a.calls, False, False),
                "donated_us": per_call(donated, x, a.calls, True, False),
                "fresh_stream_us": per_call(fresh, x, a.calls, False, True),
                "donated_stream_us": per_call(donated, x, a.calls, True, True),
+               "state_small_out_us": per_call(state_small, x, a.calls, True, False, pair=True),
+               "state_small_out_stream_us": per_call(state_small, x, a.calls, True, True, pair=True),
                "loop8_us": per_call(loop, x, max(a.calls // 8, 5), False, False)}
         rows.append(row)
         print(f"{n:5d} {kernels:7d} {row['fresh_us']:9.1f} {row['donated_us']:9.1f} {row['fresh_stream_us']:12.1f} "
-              f"{row['donated_stream_us']:14.1f} {row['loop8_us']:9.1f}", flush=True)
+              f"{row['donated_stream_us']:14.1f} {row['state_small_out_us']:11.1f} {row['state_small_out_stream_us']:18.1f} "
+              f"{row['loop8_us']:9.1f}", flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"xla_flags": os.environ.get("XLA_FLAGS", ""), "device": str(jax.devices()[0]),

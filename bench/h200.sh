@@ -325,6 +325,23 @@ s10-launch)  # issues #14/#17: the host's cost per call of an N-kernel program a
     XLA_FLAGS="$f" timeout 150 python3 -m jaxspec.bench propose --bs 1,16 --ctx 4096 --variants bucketed \
       --json "$OUT/propose-$i.json" > "$OUT/propose-$i.log" 2>&1; echo "== $f"; grep -A3 "^ctx  bs" "$OUT/propose-$i.log"
     grep "Error" "$OUT/propose-$i.log" | head -3; done ;;
+s10-propose)  # issues #14/#17: the bs-1 propose, E4B drafter, k 3, 4K: this tree against the one before the donated
+  # outputs (.before, carried: `git archive` of that commit's jaxspec/), side by side, the new one traced
+  for t in before now; do pp=$([ $t = before ] && echo .before || echo .)
+    PYTHONPATH=$pp XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout 200 python3 -m jaxspec.bench \
+      propose --bs ${PBS:-1,16} --ctx 4096 --variants bucketed $([ $t = now ] && echo --profile-dir /tmp/pp) \
+      --json "$OUT/propose-$t.json" > "$OUT/propose-$t.log" 2>&1
+    echo "== $t"; grep -A4 "^ctx  bs" "$OUT/propose-$t.log"; grep "Error" "$OUT/propose-$t.log" | head -3; done
+  timeout 60 python3 -m jaxspec.bench trace /tmp/pp --rounds 20 --top 10 --json "$OUT/propose-trace.json" \
+    > "$OUT/propose-trace.log" 2>&1; grep -h "all kernels\|launches\|busy" "$OUT/propose-trace.log" | head -5 ;;
+s10-ab270)  # issue #17: the default pair at bs 1 (s7-convert first), this tree against .before, plain and k 4 at R 1
+  # and 16 (overlap on) side by side in one call; then this tree's R-1 rows traced (s10-trace270)
+  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
+  for t in before now; do pp=$([ $t = before ] && echo .before || echo .)
+    PYTHONPATH=$pp timeout ${AB_TIMEOUT:-240} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$A" \
+      --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 --modes off,bucketed -k 4 \
+      --rounds-per-call ${RS:-1,16} --overlap on --json "$OUT/e2e-270m-$t.json" > "$OUT/e2e-270m-$t.log" 2>&1
+    echo "== $t"; grep "^e2e bs\|Error" "$OUT/e2e-270m-$t.log" | head -8; done ;;
 s10-trace270)  # issue #17 (next): where a 270M round's fixed ~1.2 ms goes (s7-convert first): plain (row-0) and k 4
   # (row-1), one round a call, both traced; kernel launches, top kernels and XLA modules per round
   A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")

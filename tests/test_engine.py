@@ -111,9 +111,8 @@ def test_no_tracing_after_warmup_is_enforced(monkeypatch):
     assert len(outs) == 6
     programs, R = eng.runner.programs, eng.config.rounds_per_call
     eng.runner.executables = {
-        key: jax.jit(jnp.copy) if key[0] == "copy" else
-        jax.jit(programs.prefill(key[2]) if key[0] == "prefill" else programs.decode_rounds(R, key[2]),
-                donate_argnames=("kv", "state")) for key in eng.runner.executables}
+        key: jax.jit(programs.prefill(key[2]) if key[0] == "prefill" else programs.decode_rounds(R, key[2]),
+                     donate_argnames=("kv", "state")) for key in eng.runner.executables}
     with pytest.raises(RuntimeError, match="no_tracing"):
         run(eng, mixed_prompts(cfg, 2, seed=5))
 
@@ -145,7 +144,7 @@ def test_prime_touches_only_padding_rows(plain_reference, overlap):
     jax.block_until_ready((eng.cache.kv, eng.runner.state))
     before = _real_rows(eng)
     eng.runner.prime()
-    assert len(eng.runner._primed) == eng.runner.programs_compiled == 8  # {prefill, decode} x 2 buckets x 2 variants
+    assert len(eng.runner._primed) == len(eng.runner.executables) == 8  # {prefill, decode} x 2 buckets x 2 variants
     after = _real_rows(eng)
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
         np.testing.assert_array_equal(a, b)

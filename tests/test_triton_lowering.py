@@ -107,8 +107,7 @@ def test_decode_round_lowers_to_triton():
                         fused_draft=True)
     state = jax.eval_shape(lambda: DecodeState.empty(batch + 1, cfg.hidden_size, jnp.bfloat16))
     slot = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    out = jax.ShapeDtypeStruct((batch, 1, k + 2), jnp.int32)
     kernels = lower_for_cuda(programs.decode_rounds(1, False), Weights(target=target, assistant=assistant), kv, state,
-                             slot, pages, out)
+                             slot, pages)
     assert kernels["draft_q_proj"] == k * acfg.text.num_layers
     assert {"paged_attention", "paged_attention_merge", "gather_kv_indices"} <= set(kernels)

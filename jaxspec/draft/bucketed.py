@@ -86,10 +86,7 @@ class BucketedDrafter:
         self.cache = cache
         self.compile()
 
-    def _program(self, aparams, target_embed, kv, pages: PageTables, cached_len, pending_token, seed_table, slot,
-                 drafts_out, h_out):
-        # drafts_out, h_out: donated buffers the outputs are written into (their values unused), so that no output
-        # is fresh: a fresh output makes XLA update the whole CUDA graph on every call (BENCHMARKS.md session 10)
+    def _program(self, aparams, target_embed, kv, pages: PageTables, cached_len, pending_token, seed_table, slot):
         return draft(aparams, target_embed, kv, pages, cached_len, pending_token, seed_table[slot], acfg=self.acfg,
                      target=self.cfg, spec=self.cache.spec, k=self.k, use_kernels=self.use_kernels, fused=self.fused)
 
@@ -97,19 +94,14 @@ class BucketedDrafter:
         """Compile every bucket against the cache's current shapes (ahead of time, off the serving path)."""
         cache, i32 = self.cache, jnp.int32
         seed_table = jax.ShapeDtypeStruct((self.seed_slots, self.acfg.backbone_hidden_size), self.target_embed.dtype)
-        self.executables, self.copies, self.outputs = {}, {}, {}
+        self.executables = {}
         for b in self.buckets:
             vec = jax.ShapeDtypeStruct((b,), i32)
             pages = PageTables(page_table=jax.ShapeDtypeStruct((b, cache.spec.max_pages_per_request), i32),
                                swa_of_full=cache.swa_of_full)
-            outs = (jax.ShapeDtypeStruct((b, self.k), i32),
-                    jax.ShapeDtypeStruct((b, self.acfg.backbone_hidden_size), self.target_embed.dtype))
             self.executables[b] = compile_ahead(self._program, self.aparams, self.target_embed, cache.kv, pages, vec,
-                                                vec, seed_table, vec, *outs, donate_argnames=("drafts_out", "h_out"),
-                                                compiler_options=self.compiler_options,
+                                                vec, seed_table, vec, compiler_options=self.compiler_options,
                                                 precision=matmul_precision(self.target_embed.dtype))
-            self.copies[b] = compile_ahead(lambda d, h: (jnp.copy(d), jnp.copy(h)), *outs)
-            self.outputs[b] = tuple(jnp.zeros(o.shape, o.dtype) for o in outs)
         self.compiles += 1
 
     def propose_bucket(self, bucket: int, page_table, cached_len, pending_token, seed_table, slot):
@@ -117,10 +109,8 @@ class BucketedDrafter:
         row of each request in it). No tracing happens here."""
         with jax.no_tracing(True):
             pages = PageTables(page_table=page_table, swa_of_full=self.cache.swa_of_full)
-            self.outputs[bucket] = self.executables[bucket](self.aparams, self.target_embed, self.cache.kv, pages,
-                                                            cached_len, pending_token, seed_table, slot,
-                                                            *self.outputs[bucket])
-            return self.copies[bucket](*self.outputs[bucket])  # the buffers go to this bucket's next call
+            return self.executables[bucket](self.aparams, self.target_embed, self.cache.kv, pages, cached_len,
+                                            pending_token, seed_table, slot)
 
     def propose(self, page_table, cached_len, pending_token, seed_table, slot):
         """Any batch size: pad to buckets (chunked above the largest), return numpy (drafts [B, k], h_next [B, Ht])."""

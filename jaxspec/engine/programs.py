@@ -3,8 +3,8 @@
 - `prefill`: one chunk of prompt positions per row; the last chunk of a request writes its row of the decode state.
 - `decode_rounds`: R speculative rounds in a device loop (draft -> verify -> accept, DESIGN.md §3), each round
   reading and writing only the decode state, so round n+1 needs nothing from the host; the loop stops early when
-  every row is done. It writes every round's committed tokens and counts into one donated array, which the runner
-  copies out for the call's one device -> host transfer.
+  every row is done. It returns every round's committed tokens and counts in one array (the call's one
+  device -> host transfer).
 
 A row stops on the device at EOS, max_new_tokens or a full context, exactly where the host's `Stopping` stops it
 (stop strings are the host's alone: the host cuts the output and discards what the device computed past the end).
@@ -148,12 +148,9 @@ class Programs:
                 n, committed = sampling.accept_greedy(logits, drafts)
             return kv, self._advance(rows, active, n, committed, hidden)
 
-        def decode_rounds(weights: Weights, kv, state: DecodeState, slot, pages: PageTables, out, drafts=None):
-            # out: i32[B, R, k + 2], donated and overwritten (per round: committed tokens, then their count). A
-            # call whose every output takes a donated input's buffer launches its CUDA graph without updating it;
-            # one fresh output, however small, moved the graph's buffers and made XLA update every node on every
-            # call (~3.4 us a node on the H200: bench/diag_launch.py, BENCHMARKS.md session 10)
-            out = jnp.zeros_like(out)
+        def decode_rounds(weights: Weights, kv, state: DecodeState, slot, pages: PageTables, drafts=None):
+            B = slot.shape[0]
+            out = jnp.zeros((B, rounds, k + 2), jnp.int32)  # per round: committed tokens, then their count
 
             def body(carry):
                 i, kv, rows, out = carry

@@ -70,15 +70,10 @@ class Runner:
         self.compiled_variants: set[bool] = set()
         self._uploads: dict[tuple, tuple[np.ndarray, jax.Array]] = {}
         self._primed: set[tuple] = set()  # programs run once (`prime`)
-        self._out: dict[int, jax.Array] = {}  # per bucket: the decode call's donated output buffer
-
-    def _out_shape(self, bucket: int) -> tuple[int, int, int]:
-        return bucket, self.config.rounds_per_call, self.config.k + 2
 
     @property
     def programs_compiled(self) -> int:
-        """Prefill and decode programs (not the decode calls' one-kernel output copies)."""
-        return sum(key[0] != "copy" for key in self.executables)
+        return len(self.executables)
 
     # ---- compiling -------------------------------------------------------------------------------------------------
 
@@ -100,11 +95,8 @@ class Runner:
             programs[("prefill", b, sample)] = (self.programs.prefill(sample),
                                                 (self.weights, self.cache.kv, self.state, batch, pages))
             drafts = (jax.ShapeDtypeStruct((b, c.k), i32),) if c.draft_mode == "eager" else ()
-            out = jax.ShapeDtypeStruct(self._out_shape(b), i32)
             programs[("decode", b, sample)] = (self.programs.decode_rounds(c.rounds_per_call, sample),
-                                               (self.weights, self.cache.kv, self.state, vec(), pages, out, *drafts))
-            if ("copy", b, False) not in self.executables:  # one per bucket, whichever variant
-                programs[("copy", b, False)] = (jnp.copy, (out,))
+                                               (self.weights, self.cache.kv, self.state, vec(), pages, *drafts))
         buckets = f"{len(c.buckets)} bucket" + "s" * (len(c.buckets) > 1)
         bar = _CompileProgress(len(programs), f"prefill {buckets}, decode {buckets}, "
                                               f"{'sampled' if sample else 'greedy'}") if progress else None
@@ -115,16 +107,11 @@ class Runner:
             rep = self.cache.upload_sharding
             split = {"in_sharding": rep, "out_shardings": (jax.tree.map(lambda a: a.sharding, self.cache.kv),
                                                             jax.tree.map(lambda a: a.sharding, self.state), rep)}
-        donated = {"prefill": ("kv", "state"), "decode": ("kv", "state", "out"), "copy": ()}
-        lowerings = {key: functools.partial(lower_ahead, fn, *args, donate_argnames=donated[key[0]],
+        lowerings = {key: functools.partial(lower_ahead, fn, *args, donate_argnames=("kv", "state"),
                                             compiler_options=DRAFT_COMPILER_OPTIONS,  # rounding where the model says
-                                            precision=precision, **(split if key[0] != "copy" else
-                                                                    {"in_sharding": split.get("in_sharding")}))
+                                            precision=precision, **split)
                      for key, (fn, args) in programs.items()}
         self.executables.update(compile_all(lowerings, on_done=bar and (lambda key: bar.update())))
-        for b in c.buckets:
-            if b not in self._out:
-                self._out[b] = jax.device_put(np.zeros(self._out_shape(b), np.int32), self.cache.upload_sharding)
         if bar:
             bar.close(cached=compile_cache_hits() - hits)
         self.compiled_variants.add(sample)
@@ -137,7 +124,7 @@ class Runner:
         nothing a real row reads (their K/V writes are dropped, their decode-state row is slot 0): tested bit for
         bit in the middle of serving."""
         for key in list(self.executables):
-            if key in self._primed or key[0] == "copy":  # each decode call runs its copy
+            if key in self._primed:
                 continue
             kind, bucket, sample = key
             if kind == "prefill":
@@ -152,7 +139,6 @@ class Runner:
         """After the cache's rebuild (new shapes): forget the old programs and compile the same variants again."""
         variants, primed = set(self.compiled_variants), bool(self._primed)
         self.executables, self.compiled_variants, self._uploads, self._primed = {}, set(), {}, set()
-        self._out = {}
         for sample in sorted(variants):
             self.compile(sample)
         if primed:
@@ -214,8 +200,6 @@ class Runner:
         if sample is None:
             sample = any(r.params.temperature > 0 for r in requests)
         extra = () if drafts is None else (drafts,)
-        self.cache.kv, self.state, self._out[bucket] = self.executables[("decode", bucket, sample)](
-            self.weights, self.cache.kv, self.state, slot, pages, self._out[bucket], *extra)
-        # a copy for the host to read: the buffer itself goes to this bucket's next call (donated), which the
-        # device runs after this copy
-        return self.executables[("copy", bucket, False)](self._out[bucket])
+        self.cache.kv, self.state, out = self.executables[("decode", bucket, sample)](
+            self.weights, self.cache.kv, self.state, slot, pages, *extra)
+        return out

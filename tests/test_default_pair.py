@@ -12,8 +12,9 @@ from jaxspec.generate import main, parse_args  # noqa: E402
 from jaxspec.launch import PROMPTS  # noqa: E402
 
 # the default arguments, except one batch bucket for every compiled step (fewer compiles; greedy output does not
-# depend on the bucket: tests/test_engine.py and tests/test_drafter.py)
-ARGS = ["--draft-bs", "8", "--max-running-requests", "8", "--quiet"]
+# depend on the bucket: tests/test_engine.py and tests/test_drafter.py) and 24 new tokens instead of 48 (each run
+# decodes for ~18 s of its ~47 s on the CPU)
+ARGS = ["--draft-bs", "8", "--max-running-requests", "8", "--max-new-tokens", "24", "--quiet"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def test_default_pair_writes_real_text_with_acceptance(runs, capsys):
     rows = runs["bucketed"]
     with open(PROMPTS) as f:
         assert len(rows) == len([line for line in f if line.strip()]) == 8
-    max_new = parse_args(ARGS).max_new_tokens  # the default, which the runs use
+    max_new = parse_args(ARGS).max_new_tokens  # what the runs use
     for r in rows:
         n = len(r["output_ids"])
         # the length the user asked for, or an EOS before it (the EOS is the last token)

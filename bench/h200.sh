@@ -16,7 +16,10 @@
 # session 9 (issues #16, #17): the GGUF in four xz parts (.gg0 with .whl, .gg1, .gg2, .gg3, each staged by s6-stage,
 # the working tree cut to jaxspec/ without its assets and bench/), then with the whole tree: s7-convert, s9-serve;
 # s9-e2e. Have the next command ready before a call ends: a machine idle for 30 s is given back, and what was staged
-# on it with it (session 9 staged the GGUF twice so). Next: s10-trace270.
+# on it with it (session 9 staged the GGUF twice so).
+# session 10 (issues #14, #17): s10-launch (bench/diag_launch.py under XLA flag sets), then with .gg0 and .before (the
+# earlier tree's jaxspec/, for side-by-side runs) s10-propose, .gg1-.gg3 staged (.gg3 with .whl and tests/: part of
+# the GPU lane), then the whole tree: s7-convert, s10-ab270, s10-trace270. Next: s11-alloc (E4B random, no GGUF).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -335,7 +338,17 @@ s10-propose)  # issues #14/#17: the bs-1 propose, E4B drafter, k 3, 4K: this tre
   timeout 60 python3 -m jaxspec.bench trace /tmp/pp --rounds 20 --top 10 --json "$OUT/propose-trace.json" \
     > "$OUT/propose-trace.log" 2>&1; grep -h "all kernels\|launches\|busy" "$OUT/propose-trace.log" | head -5 ;;
 s10-ab270)  # issue #17: the default pair at bs 1 (s7-convert first), this tree against .before, plain and k 4 at R 1
-  # and 16 (overlap on) side by side in one call; then this tree's R-1 rows traced (s10-trace270)
+  # and 16 (overlap on) side by side in one call; then this tree's R-1 rows traced (s11-alloc)  # issues #14/#17 (next): which allocator and update mode stop XLA updating the graph every call: the bs-1
+  # E4B propose under XLA_PYTHON_CLIENT_ALLOCATOR (bfc, cuda_async, vmm) x update mode (ALWAYS_UPDATE, SKIP_TEMP),
+  # XLA's log counting the commands updated per call (session 10: 207 of 274 under bfc with either mode)
+  for alloc in ${ALLOCS:-bfc cuda_async vmm}; do for mode in ${MODES_U:-ALWAYS_UPDATE SKIP_TEMP}; do
+    XLA_PYTHON_CLIENT_ALLOCATOR=$alloc XLA_FLAGS="--xla_gpu_command_buffer_update_mode=$mode" TF_CPP_MIN_LOG_LEVEL=0 \
+      TF_CPP_VMODULE=command_executor=2 timeout 150 python3 -m jaxspec.bench propose --bs 1 --ctx 4096 \
+      --variants bucketed --iters 30 --json "$OUT/propose-$alloc-$mode.json" > /tmp/v.log 2>&1
+    echo "== $alloc $mode: $(grep -A2 '^ ctx' /tmp/v.log | tail -1)"
+    grep -o 'Updated [0-9]* commands in [0-9]* μs (skipped [0-9]*' /tmp/v.log | tail -30 | sort | uniq -c | sort -rn | head -3
+    grep -i "error" /tmp/v.log | head -2; done; done ;;
+s10-trace270)
   A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
   for t in before now; do pp=$([ $t = before ] && echo .before || echo .)
     PYTHONPATH=$pp timeout ${AB_TIMEOUT:-240} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$A" \

@@ -338,16 +338,22 @@ s10-propose)  # issues #14/#17: the bs-1 propose, E4B drafter, k 3, 4K: this tre
   timeout 60 python3 -m jaxspec.bench trace /tmp/pp --rounds 20 --top 10 --json "$OUT/propose-trace.json" \
     > "$OUT/propose-trace.log" 2>&1; grep -h "all kernels\|launches\|busy" "$OUT/propose-trace.log" | head -5 ;;
 s10-ab270)  # issue #17: the default pair at bs 1 (s7-convert first), this tree against .before, plain and k 4 at R 1
-  # and 16 (overlap on) side by side in one call; then this tree's R-1 rows traced (s11-alloc)  # issues #14/#17 (next): which allocator and update mode stop XLA updating the graph every call: the bs-1
-  # E4B propose under XLA_PYTHON_CLIENT_ALLOCATOR (bfc, cuda_async, vmm) x update mode (ALWAYS_UPDATE, SKIP_TEMP),
-  # XLA's log counting the commands updated per call (session 10: 207 of 274 under bfc with either mode)
-  for alloc in ${ALLOCS:-bfc cuda_async vmm}; do for mode in ${MODES_U:-ALWAYS_UPDATE SKIP_TEMP}; do
-    XLA_PYTHON_CLIENT_ALLOCATOR=$alloc XLA_FLAGS="--xla_gpu_command_buffer_update_mode=$mode" TF_CPP_MIN_LOG_LEVEL=0 \
-      TF_CPP_VMODULE=command_executor=2 timeout 150 python3 -m jaxspec.bench propose --bs 1 --ctx 4096 \
-      --variants bucketed --iters 30 --json "$OUT/propose-$alloc-$mode.json" > /tmp/v.log 2>&1
-    echo "== $alloc $mode: $(grep -A2 '^ ctx' /tmp/v.log | tail -1)"
-    grep -o 'Updated [0-9]* commands in [0-9]* μs (skipped [0-9]*' /tmp/v.log | tail -30 | sort | uniq -c | sort -rn | head -3
-    grep -i "error" /tmp/v.log | head -2; done; done ;;
+  # and 16 (overlap on) side by side in one call; then this tree's R-1 rows traced (s11-alloc)  # issues #14/#17 (next): which buffer slots move between calls, so that XLA re-records ~140 of the bs-1
+  # propose graph's 207 commands every call (session 10), and whether SKIP_TEMP / SKIP_PROFILED (VMM allocator, set
+  # through XLA_FLAGS before jax starts) stop it. XLA's own lines name the slots (gpu_executable=5: "Buffer
+  # allocations changed address between module ... executions: [N:temp, M:live-out]"); the dump's
+  # *buffer-assignment.txt says what each allocation index holds. No compile cache (a cached executable may drop
+  # the update mode). E4B random weights, no GGUF.
+  export JAX_ENABLE_COMPILATION_CACHE=false TF_CPP_MIN_LOG_LEVEL=0
+  vm=gpu_executable=5,gpu_executable_buffer_allocator=3,gpu_executable_va_remap_allocator=3,command_buffer_thunk=3
+  i=0; for mode in ${MODES_U:-ALWAYS_UPDATE SKIP_TEMP SKIP_PROFILED}; do i=$((i+1))
+    d=$([ $i = 1 ] && echo "--xla_dump_to=$OUT/dump --xla_dump_hlo_module_re=.*program.*" || echo "")
+    TF_CPP_VMODULE=$vm XLA_FLAGS="--xla_gpu_command_buffer_update_mode=$mode $d" timeout 120 python3 -m jaxspec.bench \
+      propose --bs 1 --ctx 4096 --variants bucketed --iters 20 --json "$OUT/propose-$mode.json" > /tmp/v.log 2>&1
+    echo "== $mode: $(grep -A2 '^ ctx' /tmp/v.log | tail -1)"
+    grep -oE "changed address between module [^ ]* executions: .*|copy-protection.*|Overriding allocator.*|Using (BFC|VMM).*|allocation policy.*|profile (selected|found).*" /tmp/v.log | cut -c1-200 | sort | uniq -c | sort -rn | head -8
+    grep -o 'updated_allocs=[0-9]*' /tmp/v.log | sort | uniq -c; grep -i "error" /tmp/v.log | head -2; done
+  grep -hE "^allocation [0-9]+:" $OUT/dump/*program*buffer-assignment.txt 2>/dev/null | cut -c1-160 | head -40 ;;
 s10-trace270)
   A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
   for t in before now; do pp=$([ $t = before ] && echo .before || echo .)

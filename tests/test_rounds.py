@@ -14,7 +14,7 @@ import pytest
 from conftest import GREEDY, load_reference, pair, tiny_vocab_pair
 from jaxspec.engine import Engine, Request, SamplingParams
 
-ROUNDS = [(r, o) for r in (1, 2, 4, 16) for o in (False, True)]
+ROUNDS = [(r, o, False) for r in (1, 2, 4, 16) for o in (False, True)] + [(2, False, True), (4, True, True)]
 
 
 class Tok:
@@ -41,11 +41,13 @@ def oracle():
     return cfg, params, acfg, aparams, prompts, outs
 
 
-@pytest.mark.parametrize("rounds,overlap", ROUNDS)
-def test_rounds_and_overlap_equal_transformers_greedy(oracle, rounds, overlap):
+@pytest.mark.parametrize("rounds,overlap,unroll", ROUNDS)
+def test_rounds_and_overlap_equal_transformers_greedy(oracle, rounds, overlap, unroll, monkeypatch):
     """Transformers' greedy continuations of four prompts, each ended differently: 24 tokens; max_new_tokens 11; an
     EOS at its 10th token (inside a multi-round call); a stop string at its 13th. The last two requests join
-    through add_request while the first two are decoding."""
+    through add_request while the first two are decoding. unroll: the R rounds of a call one after another in the
+    program (JAXSPEC_UNROLL_ROUNDS=1), not a device `while` loop."""
+    monkeypatch.setenv("JAXSPEC_UNROLL_ROUNDS", "1" if unroll else "0")
     cfg, params, acfg, aparams, prompts, outs = oracle
     eos, stop = outs[2][9], outs[3][12]
     eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
@@ -72,6 +74,8 @@ def test_rounds_and_overlap_equal_transformers_greedy(oracle, rounds, overlap):
         assert sum(r.accept_lengths) == len(r.output_ids) - 1  # every committed token is accounted for
     assert reqs[3].text == "".join(f"<{t}>" for t in want[3][0][:-1])  # the stop string is cut from the text
     assert eng.cache.pool.num_free_full == eng.cache.spec.num_full_pages - 1  # every page back
+    hlo = eng.runner.executables[("decode", 4, False)].as_text()
+    assert (" while(" in hlo) == (rounds > 1 and not unroll)  # the switch does what it says
 
 
 @pytest.fixture(scope="module")

@@ -95,6 +95,7 @@ class Programs:
     use_kernels: bool
     eos: tuple[int, ...]
     fused_draft: bool = False  # the drafter step through its fused kernels (with kernels, where shapes allow)
+    unroll_rounds: bool = False  # R > 1: the rounds one after another in the program, not a `while` loop (below)
     mesh: object = None  # the tensor-parallel mesh (`jaxspec.parallel`): the kernels run per device
 
     def _forward(self, weights: Weights, kv, pages: PageTables, tokens, cached_len, num_new):
@@ -161,6 +162,13 @@ class Programs:
             carry = (jnp.int32(0), kv, state.rows(slot), out)
             if rounds == 1:
                 carry = body(carry)
+            elif self.unroll_rounds:
+                # Straight-line: XLA:GPU runs a `while` from the host (one predicate read and one graph launch per
+                # iteration, ~0.4 ms a round on the H200 for the 270M pair, BENCHMARKS.md session 10); unrolled, the
+                # call is one graph. No early exit: rounds after every row is done change nothing (rows not active
+                # commit nothing) and cost their time. R times the program to compile.
+                for _ in range(rounds):
+                    carry = body(carry)
             else:
                 carry = jax.lax.while_loop(lambda c: (c[0] < rounds) & jnp.any(~c[2].done), body, carry)
             _, kv, rows, out = carry

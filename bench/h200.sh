@@ -19,7 +19,8 @@
 # on it with it (session 9 staged the GGUF twice so).
 # session 10 (issues #14, #17): s10-launch (bench/diag_launch.py under XLA flag sets), then with .gg0 and .before (the
 # earlier tree's jaxspec/, for side-by-side runs) s10-propose, .gg1-.gg3 staged (.gg3 with .whl and tests/: part of
-# the GPU lane), then the whole tree: s7-convert, s10-ab270, s10-trace270. Next: s11-alloc (E4B random, no GGUF).
+# the GPU lane), then the whole tree: s7-convert, s10-ab270, s10-trace270. Next: s11-alloc and `UNROLL_MODEL=E4B ... s11-unroll` (E4B
+# random, no GGUF), then the GGUF staged and s7-convert; s11-unroll.
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -354,6 +355,14 @@ s10-ab270)  # issue #17: the default pair at bs 1 (s7-convert first), this tree 
     grep -oE "changed address between module [^ ]* executions: .*|copy-protection.*|Overriding allocator.*|Using (BFC|VMM).*|allocation policy.*|profile (selected|found).*" /tmp/v.log | cut -c1-200 | sort | uniq -c | sort -rn | head -8
     grep -o 'updated_allocs=[0-9]*' /tmp/v.log | sort | uniq -c; grep -i "error" /tmp/v.log | head -2; done
   grep -hE "^allocation [0-9]+:" $OUT/dump/*program*buffer-assignment.txt 2>/dev/null | cut -c1-160 | head -40 ;;
+s11-unroll)  # issues #17/#13 (next): R rounds a call as a device `while` loop against unrolled (JAXSPEC_UNROLL_ROUNDS=1),
+  # the default pair at bs 1 (s7-convert first; UNROLL_MODEL=E4B for the random E4B pair at a 1K prompt instead)
+  if [ "${UNROLL_MODEL:-270m}" = E4B ]; then what="--bs 1 --prompt-len 1024"; else
+    what="--model /root/gemma-3-270m --assistant $(python3 -c 'from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())') --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128"; fi
+  for u in 0 1; do JAXSPEC_UNROLL_ROUNDS=$u timeout ${UNROLL_TIMEOUT:-250} python3 -m jaxspec.bench e2e $what \
+      --modes off,bucketed -k 4 --rounds-per-call $([ $u = 0 ] && echo 1,4,16 || echo 4,8) --overlap on \
+      --json "$OUT/e2e-unroll$u.json" > "$OUT/e2e-unroll$u.log" 2>&1
+    echo "== JAXSPEC_UNROLL_ROUNDS=$u"; grep "^e2e bs\|Error" "$OUT/e2e-unroll$u.log" | head -8; done ;;
 s10-trace270)
   A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
   for t in before now; do pp=$([ $t = before ] && echo .before || echo .)

@@ -111,6 +111,28 @@ def test_goals_newest_file_wins(tmp_path):
     assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == tie
 
 
+def test_goals_skip_runs_with_a_switch_set_otherwise_than_shipped(tmp_path):
+    """A run with an environment switch (JAXSPEC_UNROLL_ROUNDS=1, JAXSPEC_PRIME=0, ...) set otherwise than the
+    shipped configuration is an experiment: a newer one does not decide a goal; the shipped values do."""
+    from jaxspec.bench.goals import SHIPPED_SWITCHES
+    from jaxspec.config import SWITCHES
+
+    assert set(SHIPPED_SWITCHES) == set(SWITCHES)  # every switch has its shipped value
+    d = tmp_path / "results"
+    d.mkdir()
+
+    def propose(name, date, us, switches):
+        return result(d, name, "propose", date, [{"ctx": 4096, "bs": 1, "bucketed_us": us}], preset="E4B",
+                      switches=switches)
+
+    shipped = propose("a.json", "2026-12-02T10:00:00+00:00", 300.0, {"JAXSPEC_UNROLL_ROUNDS": "0"})
+    propose("b.json", "2026-12-02T11:00:00+00:00", 100.0, {"JAXSPEC_UNROLL_ROUNDS": "1"})
+    propose("c.json", "2026-12-02T12:00:00+00:00", 90.0, {"JAXSPEC_PRIME": "0"})
+    assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == shipped
+    newest = propose("e.json", "2026-12-02T13:00:00+00:00", 250.0, {"JAXSPEC_PRIME": "1"})
+    assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == newest
+
+
 def test_goals_settings_from_the_command_line(tmp_path):
     """A file that does not record a setting at its top level (older e2e files have no prompt_len) is read with its
     command line's options, defaults included (--prompt-len 1024)."""

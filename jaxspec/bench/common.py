@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from jaxspec.config import PRESETS, TargetConfig
+from jaxspec.config import PRESETS, SWITCHES, TargetConfig
 from jaxspec.paged_kv.cache import LayerKV, PagedKVCache
 from jaxspec.paged_kv.pool import swa_pages_bound_for
 
@@ -116,7 +116,8 @@ def environment() -> dict:
     return {"jax_version": jax.__version__, "jaxlib_version": jaxlib.__version__, "backend": jax.default_backend(),
             "device_kind": device.device_kind, "device_count": jax.device_count(),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "switches": {name: os.environ[name] for name in SWITCHES if name in os.environ}}
 
 
 def command_line(argv) -> str:

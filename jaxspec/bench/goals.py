@@ -110,11 +110,18 @@ def timestamp(date) -> float:
 NEUTRAL_XLA_FLAGS = {"--xla_enable_command_buffers_during_profiling=true"}
 
 
+# the environment switches (jaxspec.config.SWITCHES) as a GPU run ships: anything else is an experiment
+SHIPPED_SWITCHES = {"JAXSPEC_PRIME": "1", "JAXSPEC_GC_FREEZE": "1", "JAXSPEC_UNROLL_ROUNDS": "0"}
+
+
 def experiment(path: str, record: dict) -> bool:
-    """A run that is not the shipped configuration: other XLA flags than NEUTRAL_XLA_FLAGS, or a file named as an
-    experiment (e.g. a change that was measured and reverted). Goals never come from one."""
+    """A run that is not the shipped configuration: other XLA flags than NEUTRAL_XLA_FLAGS, an environment switch
+    set otherwise than SHIPPED_SWITCHES, or a file named as an experiment (e.g. a change that was measured and
+    reverted). Goals never come from one."""
     flags = set(str(record.get("xla_flags") or "").split())
-    return bool(flags - NEUTRAL_XLA_FLAGS) or "experiment" in os.path.basename(path)
+    switches = record.get("switches") or {}
+    return (bool(flags - NEUTRAL_XLA_FLAGS) or "experiment" in os.path.basename(path)
+            or any(SHIPPED_SWITCHES.get(name) != value for name, value in switches.items()))
 
 
 def results(directory: str) -> list[tuple[str, dict]]:

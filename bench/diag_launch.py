@@ -38,8 +38,6 @@ def per_call(fn, x, calls: int, donate: bool, stream: bool, pair: bool = False) 
     import jax
 
     if pair:  # fn returns (donated state, a small fresh output): the engine's decode call
-        def one(cur):
-            return fn(cur)[0]
         cur = x + 0
         jax.block_until_ready(cur)
         times, t0 = [], time.perf_counter()

@@ -160,13 +160,11 @@ class Programs:
                 return i + 1, kv, rows, out
 
             carry = (jnp.int32(0), kv, state.rows(slot), out)
-            if rounds == 1:
-                carry = body(carry)
-            elif self.unroll_rounds:
-                # Straight-line: XLA:GPU runs a `while` from the host (one predicate read and one graph launch per
-                # iteration, ~0.4 ms a round on the H200 for the 270M pair, BENCHMARKS.md session 10); unrolled, the
-                # call is one graph. No early exit: rounds after every row is done change nothing (rows not active
-                # commit nothing) and cost their time. R times the program to compile.
+            if rounds == 1 or self.unroll_rounds:
+                # Unrolled (R > 1): XLA:GPU runs a `while` from the host (one predicate read and one graph launch per
+                # iteration, ~0.4 ms a round on the H200 for the 270M pair, BENCHMARKS.md session 10); straight-line,
+                # the call is one graph. No early exit: rounds after every row is done change nothing (rows not
+                # active commit nothing) and cost their time. R times the program to compile.
                 for _ in range(rounds):
                     carry = body(carry)
             else:

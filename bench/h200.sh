@@ -339,7 +339,14 @@ s10-propose)  # issues #14/#17: the bs-1 propose, E4B drafter, k 3, 4K: this tre
   timeout 60 python3 -m jaxspec.bench trace /tmp/pp --rounds 20 --top 10 --json "$OUT/propose-trace.json" \
     > "$OUT/propose-trace.log" 2>&1; grep -h "all kernels\|launches\|busy" "$OUT/propose-trace.log" | head -5 ;;
 s10-ab270)  # issue #17: the default pair at bs 1 (s7-convert first), this tree against .before, plain and k 4 at R 1
-  # and 16 (overlap on) side by side in one call; then this tree's R-1 rows traced (s11-alloc)  # issues #14/#17 (next): which buffer slots move between calls, so that XLA re-records ~140 of the bs-1
+  # and 16 (overlap on) side by side in one call; then this tree's R-1 rows traced
+  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
+  for t in before now; do pp=$([ $t = before ] && echo .before || echo .)
+    PYTHONPATH=$pp timeout ${AB_TIMEOUT:-240} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$A" \
+      --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 --modes off,bucketed -k 4 \
+      --rounds-per-call ${RS:-1,16} --overlap on --json "$OUT/e2e-270m-$t.json" > "$OUT/e2e-270m-$t.log" 2>&1
+    echo "== $t"; grep "^e2e bs\|Error" "$OUT/e2e-270m-$t.log" | head -8; done ;;
+s11-alloc)  # issues #14/#17 (next): which buffer slots move between calls, so that XLA re-records ~140 of the bs-1
   # propose graph's 207 commands every call (session 10), and whether SKIP_TEMP / SKIP_PROFILED (VMM allocator, set
   # through XLA_FLAGS before jax starts) stop it. XLA's own lines name the slots (gpu_executable=5: "Buffer
   # allocations changed address between module ... executions: [N:temp, M:live-out]"); the dump's
@@ -363,13 +370,6 @@ s11-unroll)  # issues #17/#13 (next): R rounds a call as a device `while` loop a
       --modes off,bucketed -k 4 --rounds-per-call $([ $u = 0 ] && echo 1,4,16 || echo 4,8) --overlap on \
       --json "$OUT/e2e-unroll$u.json" > "$OUT/e2e-unroll$u.log" 2>&1
     echo "== JAXSPEC_UNROLL_ROUNDS=$u"; grep "^e2e bs\|Error" "$OUT/e2e-unroll$u.log" | head -8; done ;;
-s10-trace270)
-  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
-  for t in before now; do pp=$([ $t = before ] && echo .before || echo .)
-    PYTHONPATH=$pp timeout ${AB_TIMEOUT:-240} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$A" \
-      --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 --modes off,bucketed -k 4 \
-      --rounds-per-call ${RS:-1,16} --overlap on --json "$OUT/e2e-270m-$t.json" > "$OUT/e2e-270m-$t.log" 2>&1
-    echo "== $t"; grep "^e2e bs\|Error" "$OUT/e2e-270m-$t.log" | head -8; done ;;
 s10-trace270)  # issue #17 (next): where a 270M round's fixed ~1.2 ms goes (s7-convert first): plain (row-0) and k 4
   # (row-1), one round a call, both traced; kernel launches, top kernels and XLA modules per round
   A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")

@@ -367,7 +367,7 @@ s11-unroll)  # issues #17/#13 (next): R rounds a call as a device `while` loop a
   if [ "${UNROLL_MODEL:-270m}" = E4B ]; then what="--bs 1 --prompt-len 1024"; else
     what="--model /root/gemma-3-270m --assistant $(python3 -c 'from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())') --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128"; fi
   for u in 0 1; do JAXSPEC_UNROLL_ROUNDS=$u timeout ${UNROLL_TIMEOUT:-250} python3 -m jaxspec.bench e2e $what \
-      --modes off,bucketed -k 4 --rounds-per-call $([ $u = 0 ] && echo 1,4,16 || echo 4,8) --overlap on \
+      --modes off,bucketed -k 4 --rounds-per-call $([ $u = 0 ] && echo ${RS_WHILE:-1,4,16} || echo ${RS_UNROLL:-4,8}) --overlap on \
       --json "$OUT/e2e-unroll$u.json" > "$OUT/e2e-unroll$u.log" 2>&1
     echo "== JAXSPEC_UNROLL_ROUNDS=$u"; grep "^e2e bs\|Error" "$OUT/e2e-unroll$u.log" | head -8; done ;;
 s10-trace270)  # issue #17 (next): where a 270M round's fixed ~1.2 ms goes (s7-convert first): plain (row-0) and k 4

@@ -35,8 +35,8 @@ def add_engine_args(p) -> None:
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--rounds-per-call", type=int, default=1,
-                   help="speculative rounds per decode call, a device loop that stops early when every request is "
-                        "done (more: fewer launches; a waiting request is admitted only between calls)")
+                   help="speculative rounds per decode call, one after another in the program (more: fewer launches "
+                        "and R times the compile; a waiting request is admitted only between calls)")
     p.add_argument("--overlap", choices=("on", "off"), default="on",
                    help="launch the next decode call before reading the last one's results (the host commits while "
                         "the device computes); --draft-mode eager runs without it")

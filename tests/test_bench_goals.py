@@ -125,12 +125,28 @@ def test_goals_skip_runs_with_a_switch_set_otherwise_than_shipped(tmp_path):
         return result(d, name, "propose", date, [{"ctx": 4096, "bs": 1, "bucketed_us": us}], preset="E4B",
                       switches=switches)
 
-    shipped = propose("a.json", "2026-12-02T10:00:00+00:00", 300.0, {"JAXSPEC_UNROLL_ROUNDS": "0"})
-    propose("b.json", "2026-12-02T11:00:00+00:00", 100.0, {"JAXSPEC_UNROLL_ROUNDS": "1"})
-    propose("c.json", "2026-12-02T12:00:00+00:00", 90.0, {"JAXSPEC_PRIME": "0"})
+    shipped = propose("a.json", "2026-12-02T10:00:00+00:00", 300.0, {"JAXSPEC_PRIME": "1"})
+    propose("b.json", "2026-12-02T11:00:00+00:00", 100.0, {"JAXSPEC_PRIME": "0"})
+    propose("c.json", "2026-12-02T12:00:00+00:00", 90.0, {"JAXSPEC_GC_FREEZE": "0"})
     assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == shipped
     newest = propose("e.json", "2026-12-02T13:00:00+00:00", 250.0, {"JAXSPEC_PRIME": "1"})
     assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == newest
+    # JAXSPEC_UNROLL_ROUNDS changes only what decodes R > 1 rounds a call: a propose run or an R-1 e2e run with the
+    # `while` loop measured the shipped program; an R-4 one did not
+    unchanged = propose("f.json", "2026-12-02T14:00:00+00:00", 240.0, {"JAXSPEC_UNROLL_ROUNDS": "0"})
+    assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == unchanged
+
+    def plain(name, date, tok_s, rounds, unroll):
+        return result(d, name, "e2e", date, [{"bs": 1, "mode": "off", "rounds_per_call": rounds,
+                                              "decode_tokens_per_s": tok_s}], "--bs 1", preset="E4B",
+                      switches={"JAXSPEC_UNROLL_ROUNDS": unroll})
+
+    r1 = plain("g.json", "2026-12-02T15:00:00+00:00", 150.0, 1, "0")
+    assert goals(tmp_path, d)["e2e_e4b_bs1_1k_plain_tok_s", 13]["source"] == r1
+    plain("h.json", "2026-12-02T16:00:00+00:00", 300.0, 4, "0")
+    assert goals(tmp_path, d)["e2e_e4b_bs1_1k_plain_tok_s", 13]["source"] == r1
+    unrolled = plain("i.json", "2026-12-02T17:00:00+00:00", 200.0, 4, "1")
+    assert goals(tmp_path, d)["e2e_e4b_bs1_1k_plain_tok_s", 13]["source"] == unrolled
 
 
 def test_goals_settings_from_the_command_line(tmp_path):

@@ -14,7 +14,9 @@ import pytest
 from conftest import GREEDY, load_reference, pair, tiny_vocab_pair
 from jaxspec.engine import Engine, Request, SamplingParams
 
-ROUNDS = [(r, o, False) for r in (1, 2, 4, 16) for o in (False, True)] + [(2, False, True), (4, True, True)]
+# unroll True: the default (JAXSPEC_UNROLL_ROUNDS unset); False: the `while` loop kept for comparisons
+ROUNDS = ([(r, o, True) for r in (1, 2, 4) for o in (False, True)] + [(16, False, True)]
+          + [(2, False, False), (4, True, False)])
 
 
 class Tok:
@@ -46,8 +48,11 @@ def test_rounds_and_overlap_equal_transformers_greedy(oracle, rounds, overlap, u
     """Transformers' greedy continuations of four prompts, each ended differently: 24 tokens; max_new_tokens 11; an
     EOS at its 10th token (inside a multi-round call); a stop string at its 13th. The last two requests join
     through add_request while the first two are decoding. unroll: the R rounds of a call one after another in the
-    program (JAXSPEC_UNROLL_ROUNDS=1), not a device `while` loop."""
-    monkeypatch.setenv("JAXSPEC_UNROLL_ROUNDS", "1" if unroll else "0")
+    program (the default, JAXSPEC_UNROLL_ROUNDS unset); otherwise the device `while` loop (JAXSPEC_UNROLL_ROUNDS=0)."""
+    if unroll:
+        monkeypatch.delenv("JAXSPEC_UNROLL_ROUNDS", raising=False)
+    else:
+        monkeypatch.setenv("JAXSPEC_UNROLL_ROUNDS", "0")
     cfg, params, acfg, aparams, prompts, outs = oracle
     eos, stop = outs[2][9], outs[3][12]
     eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
@@ -224,6 +229,6 @@ def test_sampled_outputs_do_not_depend_on_rounds_per_call_or_overlap(tiny):
     want, s = sample(1, False)
     assert 1.05 < s["mean_accept_length"] < 4.0  # drafts accepted and rejected (k = 3; measured 1.12)
     assert len({tuple(w) for w in want}) >= 8  # sampled, not greedy: the 16 seeds give mostly different outputs
-    for rounds, overlap in [(1, True), (4, True), (16, False)]:
+    for rounds, overlap in [(1, True), (4, True), (8, False)]:
         got, _ = sample(rounds, overlap)
         assert got == want, f"R {rounds} overlap {overlap}"

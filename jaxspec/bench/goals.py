@@ -111,17 +111,27 @@ NEUTRAL_XLA_FLAGS = {"--xla_enable_command_buffers_during_profiling=true"}
 
 
 # the environment switches (jaxspec.config.SWITCHES) as a GPU run ships: anything else is an experiment
-SHIPPED_SWITCHES = {"JAXSPEC_PRIME": "1", "JAXSPEC_GC_FREEZE": "1", "JAXSPEC_UNROLL_ROUNDS": "0"}
+SHIPPED_SWITCHES = {"JAXSPEC_PRIME": "1", "JAXSPEC_GC_FREEZE": "1", "JAXSPEC_UNROLL_ROUNDS": "1"}
+
+
+def switch_matters(name: str, record: dict) -> bool:
+    """Whether `name` changes what `record` ran: JAXSPEC_UNROLL_ROUNDS only where a row decoded R > 1 rounds a call
+    (with R 1 both settings build the same program)."""
+    if name == "JAXSPEC_UNROLL_ROUNDS":
+        rows = [row for row in record.get("rows") or [] if isinstance(row, dict)]
+        return any(number(row.get("rounds_per_call")) and row["rounds_per_call"] > 1 for row in rows)
+    return True
 
 
 def experiment(path: str, record: dict) -> bool:
     """A run that is not the shipped configuration: other XLA flags than NEUTRAL_XLA_FLAGS, an environment switch
-    set otherwise than SHIPPED_SWITCHES, or a file named as an experiment (e.g. a change that was measured and
-    reverted). Goals never come from one."""
+    set otherwise than SHIPPED_SWITCHES where it changes what ran, or a file named as an experiment (e.g. a change
+    that was measured and reverted). Goals never come from one."""
     flags = set(str(record.get("xla_flags") or "").split())
     switches = record.get("switches") or {}
     return (bool(flags - NEUTRAL_XLA_FLAGS) or "experiment" in os.path.basename(path)
-            or any(SHIPPED_SWITCHES.get(name) != value for name, value in switches.items()))
+            or any(SHIPPED_SWITCHES.get(name) != value and switch_matters(name, record)
+                   for name, value in switches.items()))
 
 
 def results(directory: str) -> list[tuple[str, dict]]:

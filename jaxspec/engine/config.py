@@ -24,7 +24,7 @@ class EngineConfig:
     prefill_chunk: int = 256
     use_kernels: bool | None = None  # Pallas kernels (None: on a GPU)
     fused_draft: bool = False  # with kernels, the drafter step through its fused kernels (off: no measured win)
-    rounds_per_call: int = 1  # speculative rounds per decode call (a device loop with an early exit)
+    rounds_per_call: int = 1  # speculative rounds per decode call (one after another in the program)
     overlap: bool = True  # launch the next decode call before reading the last one's results
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's
     tensor_parallel_size: int = 1  # devices the target is split over (`jaxspec.parallel`)

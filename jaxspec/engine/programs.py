@@ -95,7 +95,7 @@ class Programs:
     use_kernels: bool
     eos: tuple[int, ...]
     fused_draft: bool = False  # the drafter step through its fused kernels (with kernels, where shapes allow)
-    unroll_rounds: bool = False  # R > 1: the rounds one after another in the program, not a `while` loop (below)
+    unroll_rounds: bool = True  # R > 1: the rounds one after another in the program, not a `while` loop (below)
     mesh: object = None  # the tensor-parallel mesh (`jaxspec.parallel`): the kernels run per device
 
     def _forward(self, weights: Weights, kv, pages: PageTables, tokens, cached_len, num_new):
@@ -161,10 +161,11 @@ class Programs:
 
             carry = (jnp.int32(0), kv, state.rows(slot), out)
             if rounds == 1 or self.unroll_rounds:
-                # Unrolled (R > 1): XLA:GPU runs a `while` from the host (one predicate read and one graph launch per
-                # iteration, ~0.4 ms a round on the H200 for the 270M pair, BENCHMARKS.md session 10); straight-line,
-                # the call is one graph. No early exit: rounds after every row is done change nothing (rows not
-                # active commit nothing) and cost their time. R times the program to compile.
+                # Unrolled (R > 1, the default): XLA:GPU runs a `while` from the host, its body outside the call's
+                # graph (one predicate read per iteration; E4B rounds took twice as long as at R 1, BENCHMARKS.md
+                # session 11); straight-line, the call is one graph. No early exit: rounds after every row is done
+                # change nothing (rows not active commit nothing) and cost their time. R times the program to compile.
+                # JAXSPEC_UNROLL_ROUNDS=0 keeps the `while` loop (for comparisons).
                 for _ in range(rounds):
                     carry = body(carry)
             else:

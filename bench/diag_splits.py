@@ -1,0 +1,84 @@
+"""Diagnosis (issues #14/#17): does the split attention's merge kernel pay for itself at the 270M pair's shapes?
+
+One jitted program applies `paged_attention_rows` L times in a chain (each layer's output is the next one's query, so
+the launches run one after another inside one graph, as in a decode step), with num_splits 1 (one kernel a layer, no
+merge) and with the default split (two kernels a layer). Reported: µs a layer, per (width, live keys, queries).
+Shapes: head_dim 256, one kv head, four query heads (Gemma 3 270M and its drafter), one row.
+
+    python bench/diag_splits.py --json OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.pallas.paged_attention import default_splits, paged_attention_rows, query_rows, row_ranges
+
+D, KVH, G = 256, 1, 4
+
+
+def chain(layers: int, num_splits):
+    @jax.jit
+    def run(q_rows, k, v, idx, kv_start, row_lo, row_hi, span):
+        for _ in range(layers):
+            q_rows = paged_attention_rows(q_rows, k, v, idx, kv_start, row_lo, row_hi, span, scale=D ** -0.5,
+                                          num_splits=num_splits)  # one cache for every layer: one Triton compile
+        return q_rows
+    return run
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--cases", default="512:200,512:512,4096:200,4096:1024,4096:4096",
+                   help="width:live pairs")
+    p.add_argument("--tq", default="1,5")
+    p.add_argument("--json")
+    args = p.parse_args()
+    rng = np.random.default_rng(0)
+    key = jax.random.PRNGKey(0)
+    slots = 8192
+    k = jax.random.normal(key, (slots, KVH, D), jnp.bfloat16)
+    v = jax.random.normal(jax.random.fold_in(key, 1), (slots, KVH, D), jnp.bfloat16)
+    rows = []
+    for case in args.cases.split(","):
+        width, live = map(int, case.split(":"))
+        idx = jnp.asarray(rng.permutation(slots)[:width][None].astype(np.int32))
+        kv_start = jnp.zeros(1, jnp.int32)
+        for tq in map(int, args.tq.split(",")):
+            block_q, padded = query_rows(tq, G, D, None)
+            q_lo = jnp.zeros((1, tq), jnp.int32)
+            q_hi = (live - tq + jnp.arange(tq, dtype=jnp.int32))[None]
+            row_lo, row_hi, span = row_ranges(kv_start, q_lo, q_hi, G, padded, width)
+            q = jax.random.normal(jax.random.fold_in(key, 2), (1, KVH, padded, D), jnp.bfloat16)
+            inputs = (q, k, v, idx, kv_start, row_lo, row_hi, span)
+            default = default_splits(1, KVH, padded // block_q, width, 64 if D <= 128 else 32)
+            row = {"width": width, "live": live, "tq": tq, "layers": args.layers, "default_splits": default}
+            outs = {}
+            for name, splits in (("one_split", 1), ("default", None)):
+                run = chain(args.layers, splits)
+                outs[name] = np.asarray(run(*inputs), np.float32)
+                times = []
+                for _ in range(args.iters):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(run(*inputs))
+                    times.append(time.perf_counter() - t0)
+                row[f"{name}_us_per_layer"] = float(np.median(times)) * 1e6 / args.layers
+            row["max_abs_diff"] = float(np.max(np.abs(outs["one_split"] - outs["default"])))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "python bench/diag_splits.py", "device_kind": jax.devices()[0].device_kind,
+                       "jax_version": jax.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -19,8 +19,11 @@
 # on it with it (session 9 staged the GGUF twice so).
 # session 10 (issues #14, #17): s10-launch (bench/diag_launch.py under XLA flag sets), then with .gg0 and .before (the
 # earlier tree's jaxspec/, for side-by-side runs) s10-propose, .gg1-.gg3 staged (.gg3 with .whl and tests/: part of
-# the GPU lane), then the whole tree: s7-convert, s10-ab270, s10-trace270. Next: s11-alloc and `UNROLL_MODEL=E4B ... s11-unroll` (E4B
-# random, no GGUF), then the GGUF staged and s7-convert; s11-unroll.
+# the GPU lane), then the whole tree: s7-convert, s10-ab270, s10-trace270.
+# session 11 (issues #14, #17): s11-alloc and `UNROLL_MODEL=E4B UNROLL_TIMEOUT=280 ... s11-unroll` (E4B random, no GGUF),
+# then the GGUF staged (.gg0 with .whl, .gg1-.gg3; tree cut), the whole tree with .whl: `s7-convert && RS_WHILE=1,16
+# RS_UNROLL=4,16 UNROLL_TIMEOUT=250 ... s11-unroll`; bench/diag_splits.py (no GGUF). Next: the unrolled 270M round
+# traced (s10-trace270 with RS 4), the GPU lane's untested rest (test_paged's last two, test_drafter, test_engine).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -371,11 +374,11 @@ s11-unroll)  # issues #17/#13 (next): R rounds a call as a device `while` loop a
       --json "$OUT/e2e-unroll$u.json" > "$OUT/e2e-unroll$u.log" 2>&1
     echo "== JAXSPEC_UNROLL_ROUNDS=$u"; grep "^e2e bs\|Error" "$OUT/e2e-unroll$u.log" | head -8; done ;;
 s10-trace270)  # issue #17 (next): where a 270M round's fixed ~1.2 ms goes (s7-convert first): plain (row-0) and k 4
-  # (row-1), one round a call, both traced; kernel launches, top kernels and XLA modules per round
+  # (row-1), RS rounds a call (default 1), both traced; kernel launches, top kernels and XLA modules per call
   A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
   XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout 300 python3 -m jaxspec.bench e2e \
     --model /root/gemma-3-270m --assistant "$A" --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 4 \
-    --new-tokens 64 --modes off,bucketed -k 4 --rounds-per-call 1 --overlap on --profile-dir /tmp/t \
+    --new-tokens 64 --modes off,bucketed -k 4 --rounds-per-call ${RS:-1} --overlap on --profile-dir /tmp/t \
     --json "$OUT/e2e-270m-r1.json" > "$OUT/trace270.log" 2>&1
   for i in 0 1; do timeout 100 python3 -m jaxspec.bench trace /tmp/t/row-$i --top 25 \
     --json "$OUT/trace270-row$i.json" >> "$OUT/trace270.log" 2>&1; done

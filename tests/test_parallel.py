@@ -47,7 +47,7 @@ for case, tp, pages, rounds in (("e2b", 2, 24, 1), ("e2b", 4, None, 2), ("moe", 
     gathered = set(re.findall(r"= [a-z0-9]+(\[[0-9,]*\])\S* all-gather\(", hlo))
     kv_split = [bool(any(a.sharding.spec)) for a in jax.tree.leaves(eng.cache.kv)]
     print(json.dumps({"case": case, "tp": tp, "equal": [r.output_ids == w for r, w in zip(reqs, want)],
-                      "preemptions": eng.summary(reqs)["preemptions"], "layers": cfg.num_layers,
+                      "preemptions": eng.summary(reqs)["preemptions"], "layers": cfg.num_layers, "rounds": rounds,
                       "all_reduce": ops["all-reduce"], "split_weights": len(split),
                       "weights_gathered": sorted(gathered & split), "kv_split": kv_split}))
 
@@ -101,8 +101,9 @@ def test_the_split_program_reduces_and_gathers_no_weight(runs):
     for r in runs:
         assert r["split_weights"] >= 6  # q / o / gate_up / down per group, the embedding, ...
         # the all-reduces after the attention output and MLP down projections (XLA combines some), and no more: a
-        # split on the wrong axis (o_proj by rows, gate_up or down by their input) costs 53-61 in the e2b program
-        assert r["layers"] <= r["all_reduce"] <= 4 * r["layers"], r
+        # split on the wrong axis (o_proj by rows, gate_up or down by their input) costs 53-61 a round in the e2b
+        # program. The program holds its R rounds one after another (XLA may combine across them): per round.
+        assert r["layers"] <= r["all_reduce"] / r["rounds"] <= 4 * r["layers"], r
         assert r["weights_gathered"] == [], r
     e2b2, e2b4 = runs[0], runs[1]
     assert all(e2b2["kv_split"]) and not any(e2b4["kv_split"])  # 2 KV heads: split at TP 2, replicated at TP 4

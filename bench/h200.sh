@@ -23,7 +23,8 @@
 # session 11 (issues #14, #17): s11-alloc and `UNROLL_MODEL=E4B UNROLL_TIMEOUT=280 ... s11-unroll` (E4B random, no GGUF),
 # then the GGUF staged (.gg0 with .whl, .gg1-.gg3; tree cut), the whole tree with .whl: `s7-convert && RS_WHILE=1,16
 # RS_UNROLL=4,16 UNROLL_TIMEOUT=250 ... s11-unroll`; bench/diag_splits.py (no GGUF). Next: the unrolled 270M round
-# traced (s10-trace270 with RS 4), the GPU lane's untested rest (test_paged's last two, test_drafter, test_engine).
+# traced (RS=4 ... s10-trace270), s12-same (E4B bf16 spec = plain over 64 prompts), the GPU lane's untested rest
+# (TESTS=... s6-tests: test_paged's last two, test_drafter, test_engine).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -373,6 +374,11 @@ s11-unroll)  # issues #17/#13 (next): R rounds a call as a device `while` loop a
       --modes off,bucketed -k 4 --rounds-per-call $([ $u = 0 ] && echo ${RS_WHILE:-1,4,16} || echo ${RS_UNROLL:-4,8}) --overlap on \
       --json "$OUT/e2e-unroll$u.json" > "$OUT/e2e-unroll$u.log" 2>&1
     echo "== JAXSPEC_UNROLL_ROUNDS=$u"; grep "^e2e bs\|Error" "$OUT/e2e-unroll$u.log" | head -8; done ;;
+s12-same)  # issue #14 (next): bf16 batch invariance, the fraction of requests whose speculative greedy output equals
+  # plain greedy output (`same_as_plain`) on the random E4B pair, 64 prompts of 1K, 64 new tokens, 16 at once; no GGUF
+  timeout ${SAME_TIMEOUT:-500} python3 -m jaxspec.bench e2e --bs 16 --requests 64 --prompt-len 1024 --new-tokens 64 \
+    --modes off,bucketed -k 4 --json "$OUT/e2e-e4b-same.json" > "$OUT/e2e-e4b-same.log" 2>&1
+  grep "^e2e bs\|Error" "$OUT/e2e-e4b-same.log"; grep -A4 "^bs " "$OUT/e2e-e4b-same.log" ;;
 s10-trace270)  # issue #17 (next): where a 270M round's fixed ~1.2 ms goes (s7-convert first): plain (row-0) and k 4
   # (row-1), RS rounds a call (default 1), both traced; kernel launches, top kernels and XLA modules per call
   A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")

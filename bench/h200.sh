@@ -359,13 +359,16 @@ s11-alloc)  # issues #14/#17 (next): which buffer slots move between calls, so t
   export JAX_ENABLE_COMPILATION_CACHE=false TF_CPP_MIN_LOG_LEVEL=0
   vm=gpu_executable=5,gpu_executable_buffer_allocator=3,gpu_executable_va_remap_allocator=3,command_buffer_thunk=3
   i=0; for mode in ${MODES_U:-ALWAYS_UPDATE SKIP_TEMP SKIP_PROFILED}; do i=$((i+1))
-    d=$([ $i = 1 ] && echo "--xla_dump_to=$OUT/dump --xla_dump_hlo_module_re=.*program.*" || echo "")
+    d=$([ $i = 1 ] && echo "--xla_dump_to=/tmp/dump --xla_dump_hlo_module_re=.*program.*" || echo "")
     TF_CPP_VMODULE=$vm XLA_FLAGS="--xla_gpu_command_buffer_update_mode=$mode $d" timeout 120 python3 -m jaxspec.bench \
       propose --bs 1 --ctx 4096 --variants bucketed --iters 20 --json "$OUT/propose-$mode.json" > /tmp/v.log 2>&1
     echo "== $mode: $(grep -A2 '^ ctx' /tmp/v.log | tail -1)"
     grep -oE "changed address between module [^ ]* executions: .*|copy-protection.*|Overriding allocator.*|Using (BFC|VMM).*|allocation policy.*|profile (selected|found).*" /tmp/v.log | cut -c1-200 | sort | uniq -c | sort -rn | head -8
-    grep -o 'updated_allocs=[0-9]*' /tmp/v.log | sort | uniq -c; grep -i "error" /tmp/v.log | head -2; done
-  grep -hE "^allocation [0-9]+:" $OUT/dump/*program*buffer-assignment.txt 2>/dev/null | cut -c1-160 | head -40 ;;
+    grep -o 'updated_allocs=[0-9]*' /tmp/v.log | sort | uniq -c; grep -i "error" /tmp/v.log | head -2
+    grep -E "changed address|updated_allocs|Updated [0-9]+ commands" /tmp/v.log | tail -400 > "$OUT/vlog-$mode.txt"; done
+  # one file back (at most 8 come back): the propose program's buffer assignment, whose allocations the log names
+  f=$(ls -S /tmp/dump/*jit__program*buffer-assignment.txt 2>/dev/null | head -1); [ -n "$f" ] && cp "$f" "$OUT/buffer-assignment.txt"
+  grep -hE "^allocation [0-9]+:" "$OUT/buffer-assignment.txt" 2>/dev/null | cut -c1-160 | tail -30 ;;
 s11-unroll)  # issues #17/#13 (next): R rounds a call as a device `while` loop against unrolled (JAXSPEC_UNROLL_ROUNDS=1),
   # the default pair at bs 1 (s7-convert first; UNROLL_MODEL=E4B for the random E4B pair at a 1K prompt instead)
   if [ "${UNROLL_MODEL:-270m}" = E4B ]; then what="--bs 1 --prompt-len 1024"; else

@@ -385,12 +385,17 @@ s12-same)  # issue #14 (next): bf16 batch invariance, the fraction of requests w
 s10-trace270)  # issue #17 (next): where a 270M round's fixed ~1.2 ms goes (s7-convert first): plain (row-0) and k 4
   # (row-1), RS rounds a call (default 1), both traced; kernel launches, top kernels and XLA modules per call
   A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
-  XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout 300 python3 -m jaxspec.bench e2e \
+  # DUMP=1: also XLA's optimized HLO of the largest decode program (xz) back, to name what the trace's fusions hold
+  # (session 10: 27 loop_pad_fusion and 20 memcpy a k-4 round that the plain step has not); TOP: kernels kept per row
+  dump=$([ "${DUMP:-0}" = 1 ] && echo "--xla_dump_to=/tmp/hlo --xla_dump_hlo_module_re=.*decode_rounds.*" || echo "")
+  XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true $dump" timeout 300 python3 -m jaxspec.bench e2e \
     --model /root/gemma-3-270m --assistant "$A" --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 4 \
     --new-tokens 64 --modes off,bucketed -k 4 --rounds-per-call ${RS:-1} --overlap on --profile-dir /tmp/t \
     --json "$OUT/e2e-270m-r1.json" > "$OUT/trace270.log" 2>&1
-  for i in 0 1; do timeout 100 python3 -m jaxspec.bench trace /tmp/t/row-$i --top 25 \
+  for i in 0 1; do timeout 100 python3 -m jaxspec.bench trace /tmp/t/row-$i --top ${TOP:-25} \
     --json "$OUT/trace270-row$i.json" >> "$OUT/trace270.log" 2>&1; done
+  f=$(ls -S /tmp/hlo/*decode_rounds*after_optimizations.txt 2>/dev/null | head -1)
+  [ -n "$f" ] && xz -c "$f" > "$OUT/decode-rounds-hlo.txt.xz"
   grep -h "^e2e bs\|launches\|all kernels\|Error" "$OUT"/trace270.log | head -20 ;;
 s9-e2e)  # issue #17: the shipped drafter at k 1..6 against plain, bs 1, 16 held-out prompts, 128 new tokens
   A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")

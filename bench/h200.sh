@@ -23,7 +23,7 @@
 # session 11 (issues #14, #17): s11-alloc and `UNROLL_MODEL=E4B UNROLL_TIMEOUT=280 ... s11-unroll` (E4B random, no GGUF),
 # then the GGUF staged (.gg0 with .whl, .gg1-.gg3; tree cut), the whole tree with .whl: `s7-convert && RS_WHILE=1,16
 # RS_UNROLL=4,16 UNROLL_TIMEOUT=250 ... s11-unroll`; bench/diag_splits.py (no GGUF). Next: the unrolled 270M round
-# traced (RS=4 ... s10-trace270), s12-same (E4B bf16 spec = plain over 64 prompts), the GPU lane's untested rest
+# traced (RS=4 DUMP=1 TOP=80 ... s10-trace270), s11-alloc again (the buffer assignment now comes back), s12-same (E4B bf16 spec = plain over 64 prompts), the GPU lane's untested rest
 # (TESTS=... s6-tests: test_paged's last two, test_drafter, test_engine).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait

@@ -23,7 +23,7 @@
 # session 11 (issues #14, #17): s11-alloc and `UNROLL_MODEL=E4B UNROLL_TIMEOUT=280 ... s11-unroll` (E4B random, no GGUF),
 # then the GGUF staged (.gg0 with .whl, .gg1-.gg3; tree cut), the whole tree with .whl: `s7-convert && RS_WHILE=1,16
 # RS_UNROLL=4,16 UNROLL_TIMEOUT=250 ... s11-unroll`; bench/diag_splits.py (no GGUF). Next: the unrolled 270M round
-# traced (RS=4 DUMP=1 TOP=80 ... s10-trace270), s11-alloc again (the buffer assignment now comes back), s12-same (E4B bf16 spec = plain over 64 prompts), the GPU lane's untested rest
+# traced (RS=4 DUMP=1 TOP=80 ... s10-trace270), s12-gather, s11-alloc again (the buffer assignment now comes back), s12-same (E4B bf16 spec = plain over 64 prompts), the GPU lane's untested rest
 # (TESTS=... s6-tests: test_paged's last two, test_drafter, test_engine).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
@@ -377,6 +377,18 @@ s11-unroll)  # issues #17/#13 (next): R rounds a call as a device `while` loop a
       --modes off,bucketed -k 4 --rounds-per-call $([ $u = 0 ] && echo ${RS_WHILE:-1,4,16} || echo ${RS_UNROLL:-4,8}) --overlap on \
       --json "$OUT/e2e-unroll$u.json" > "$OUT/e2e-unroll$u.log" 2>&1
     echo "== JAXSPEC_UNROLL_ROUNDS=$u"; grep "^e2e bs\|Error" "$OUT/e2e-unroll$u.log" | head -8; done ;;
+s12-gather)  # issue #14 (next): JAXSPEC_ATTN_GATHER_Q=0 against 1 side by side (the attention kernel reading its query
+  # rows from q as it is: no transposed, padded copy of q before each call; session 10's k-4 round had 27 pad fusions),
+  # the default pair at bs 1, plain and k 4 at R 4 (s7-convert first); then the GPU lane's test of the switch
+  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
+  for gq in 0 1; do JAXSPEC_ATTN_GATHER_Q=$gq timeout ${GQ_TIMEOUT:-200} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m \
+      --assistant "$A" --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 \
+      --modes off,bucketed -k 4 --rounds-per-call ${RS:-4} --overlap on --json "$OUT/e2e-270m-gq$gq.json" \
+      > "$OUT/e2e-270m-gq$gq.log" 2>&1
+    echo "== JAXSPEC_ATTN_GATHER_Q=$gq"; grep "^e2e bs\|Error" "$OUT/e2e-270m-gq$gq.log" | head -4; done
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "matches_reference" \
+    "tests/test_rounds.py::test_kernels_gathering_q_equal_transformers_greedy" > "$OUT/tests-gather.txt" 2>&1
+  tail -2 "$OUT/tests-gather.txt" ;;
 s12-same)  # issue #14 (next): bf16 batch invariance, the fraction of requests whose speculative greedy output equals
   # plain greedy output (`same_as_plain`) on the random E4B pair, 64 prompts of 1K, 64 new tokens, 16 at once; no GGUF
   timeout ${SAME_TIMEOUT:-500} python3 -m jaxspec.bench e2e --bs 16 --requests 64 --prompt-len 1024 --new-tokens 64 \

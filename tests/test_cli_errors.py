@@ -247,7 +247,8 @@ def test_bad_compile_threads_is_one_line_before_anything_loads(value, monkeypatc
     assert err == f"error: JAXSPEC_COMPILE_THREADS must be a whole number >= 1, got {value!r}" and not out.exists()
 
 
-@pytest.mark.parametrize("name", ["JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE", "JAXSPEC_UNROLL_ROUNDS"])
+@pytest.mark.parametrize("name", ["JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE", "JAXSPEC_UNROLL_ROUNDS",
+                                  "JAXSPEC_ATTN_GATHER_Q"])
 def test_bad_switch_is_one_line_before_anything_loads(name, monkeypatch, capsys, tmp_path):
     """The on/off environment switches take 0 or 1; anything else is one line, exit 2, no output file."""
     from jaxspec.generate import main

@@ -9,6 +9,7 @@ holds NaN (so do the dead entries of kv_indices), and the kernel must still matc
 from __future__ import annotations
 
 import functools
+import itertools
 import types
 
 import jax
@@ -138,15 +139,18 @@ ATTENTION_CASES = [
 ]
 
 
+@pytest.mark.parametrize("gather_q", [False, True], ids=["q-rows", "q-gathered"])
 @pytest.mark.parametrize("g,tq,d,dtype,window,cached,tuning", ATTENTION_CASES,
                          ids=[f"g{c[0]}-tq{c[1]}-d{c[2]}-{jnp.dtype(c[3]).name}-{'swa' if c[4] else 'full'}"
                               f"-s{c[6]['num_splits']}{'-bq' if 'block_q' in c[6] else ''}" for c in ATTENTION_CASES])
-def test_paged_attention_matches_reference(g, tq, d, dtype, window, cached, tuning):
+def test_paged_attention_matches_reference(g, tq, d, dtype, window, cached, tuning, gather_q):
+    """gather_q: the kernel reads its query rows from q as it is (two kv heads, so rows of a kv head are not
+    contiguous in q) instead of a transposed, padded copy."""
     rng = np.random.default_rng(0)
     batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
     x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
     got = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3,
-                          block_k=16, **tuning)
+                          block_k=16, gather_q=gather_q, **tuning)
     want = paged_attention_ref(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3)
     got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
     assert got.shape == want.shape and np.isfinite(got).all()
@@ -239,11 +243,13 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
     def lower(fn, *args):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
-    for B, tq, kvh, g, d, width, splits in [(4, 8, 1, 16, 512, 4096, None), (8, 1, 2, 4, 256, 1056, None),
-                                            (2, 4, 2, 2, 16, 64, 2), (1, 4, 2, 4, 256, 640, 1)]:
+    for (B, tq, kvh, g, d, width, splits), gather_q in itertools.product(
+            [(4, 8, 1, 16, 512, 4096, None), (8, 1, 2, 4, 256, 1056, None), (2, 4, 2, 2, 16, 64, 2),
+             (1, 4, 2, 4, 256, 640, 1)], (False, True)):
         dtype = jnp.float32 if d == 16 else jnp.bfloat16
         text = lower(
-            lambda *a, splits=splits: paged_attention(*a, num_splits=splits, interpret=False),
+            lambda *a, splits=splits, gather_q=gather_q: paged_attention(*a, num_splits=splits, interpret=False,
+                                                                         gather_q=gather_q),
             spec((B, tq, kvh * g, d), dtype), spec((4096, kvh, d), dtype), spec((4096, kvh, d), dtype),
             spec((B, width), jnp.int32), spec((B,), jnp.int32), spec((B, tq), jnp.int32), spec((B, tq), jnp.int32),
         )

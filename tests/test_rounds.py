@@ -232,3 +232,22 @@ def test_sampled_outputs_do_not_depend_on_rounds_per_call_or_overlap(tiny):
     for rounds, overlap in [(1, True), (4, True), (8, False)]:
         got, _ = sample(rounds, overlap)
         assert got == want, f"R {rounds} overlap {overlap}"
+
+
+def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch):
+    """JAXSPEC_ATTN_GATHER_Q=1 (an experiment, off by default): the attention kernel reads its query rows from q as
+    it is, no transposed and padded copy before each call. With the kernels (interpreted on the CPU) at R 2 with
+    overlap, the engine still gives transformers' greedy continuations, and every kernel call took q so."""
+    import jaxspec.pallas.paged_attention as pa
+
+    monkeypatch.setenv("JAXSPEC_ATTN_GATHER_Q", "1")
+    seen = []
+    real = pa.paged_attention_rows
+    monkeypatch.setattr(pa, "paged_attention_rows", lambda *a, **kw: seen.append(kw.get("gather_q")) or real(*a, **kw))
+    cfg, params, acfg, aparams, prompts, outs = oracle
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
+                 max_context=64, prefill_chunk=8, rounds_per_call=2, overlap=True, use_kernels=True)
+    reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
+    eng.generate(reqs)
+    assert [r.output_ids for r in reqs] == [o[:12] for o in outs]
+    assert seen and all(g is not None for g in seen), seen

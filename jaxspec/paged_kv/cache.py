@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxspec.config import FULL, TargetConfig
+from jaxspec.config import FULL, TargetConfig, env_switch
 from jaxspec.paged_kv.metadata import CacheSpec, StepMetadata
 from jaxspec.paged_kv.pool import PagePool
 from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_ref,
@@ -112,6 +112,8 @@ def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_hea
     """`_attention_fn`'s choice called as attn(q, k, v, read, kv_start, q_lo, q_hi); on a mesh the kernel runs per
     device (`jaxspec.parallel.per_device_attention`), or the reference where the heads do not split evenly."""
     attn = _attention_fn(use_kernels, num_queries)
+    if attn is paged_attention and env_switch("JAXSPEC_ATTN_GATHER_Q"):  # an experiment: off unless set to 1
+        kw = {**kw, "gather_q": True}
     if mesh is not None and attn is paged_attention:
         from jaxspec.parallel import per_device_attention
 

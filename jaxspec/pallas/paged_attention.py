@@ -51,7 +51,8 @@ def _norm_rope(q, q_swap, q_norm_ref, cos, sin, eps):
     return (qn * cos[None, :] + sign[None, :] * qsn * sin[None, :]).astype(dtype)
 
 
-def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer: int | None, rope_eps=None):
+def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer: int | None, rope_eps=None,
+                      gather_q=None):
     """Program (b, h, row_block, split): unnormalised attention of one query block over one piece of live keys
     (num_splits == 1: the normalised output, in o_ref's dtype; a row that saw no key gets 0).
 
@@ -61,6 +62,9 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     o_ref: fp32[block_q, D] accumulator, m_ref / l_ref: fp32[block_q] running max / sum (max -inf: no key seen)
     With rope_eps, q_ref holds raw projections normed and rotated here (`_norm_rope`): qs_ref, qn_ref [D], cos_ref
     and sin_ref [D] follow it.
+    With gather_q = (block_q, rows, NH, G), q_ref is the whole q [Bq, Tq * NH, D] in its own layout and the program
+    gathers its rows r = t * G + g (query t, head h * G + g) itself: no transposed, padded copy of q before the
+    call. Padding rows (r >= rows) re-read the last row; their masks let them see no key.
     """
     if rope_eps is None:
         span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs = refs
@@ -71,7 +75,14 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     h = pl.program_id(1)
     split = pl.program_id(3)
     width = kv_indices_ref.shape[1]
-    block_q, head_dim = q_ref.shape
+    if gather_q is None:
+        block_q, head_dim = q_ref.shape
+        q = q_ref[...]
+    else:
+        block_q, rows, num_heads, group = gather_q
+        head_dim = q_ref.shape[-1]
+        r = jnp.minimum(pl.program_id(2) * block_q + lax.iota(jnp.int32, block_q), rows - 1)
+        q = q_ref[b, (r // group) * num_heads + h * group + r % group, :]  # [block_q, D]
 
     first = span_ref[b, 0]
     last = span_ref[b, 1]
@@ -81,7 +92,6 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     hi = jnp.minimum(lo + chunk, last)
     num_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
 
-    q = q_ref[...]
     if rope_eps is not None:
         q = _norm_rope(q, qs_ref[...], qn_ref, cos_ref[...], sin_ref[...], rope_eps)
     row_lo = row_lo_ref[...][:, None]  # [block_q, 1]
@@ -186,12 +196,14 @@ def row_ranges(kv_start, q_lo, q_hi, group: int, padded_rows: int, width: int):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "layer", "block_k", "block_q", "num_splits", "num_warps", "num_stages", "interpret"),
+    static_argnames=("scale", "layer", "block_k", "block_q", "num_splits", "num_warps", "num_stages", "interpret",
+                     "gather_q"),
 )
 def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, scale: float = 1.0,
                     layer: int | None = None,
                     block_k: int | None = None, block_q: int | None = None, num_splits: int | None = None,
-                    num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None):
+                    num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None,
+                    gather_q: bool = False):
     """Attention of q over the keys listed in `kv_indices` (kernel of `paged_attention_ref`).
 
     q: [B, Tq, NH, D]; k_cache, v_cache: [num_slots, KVH, D]; NH = G * KVH; D a power of two >= 16. With `layer`,
@@ -205,6 +217,8 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     rounded up to a power of two (default: enough programs to fill the GPU at small batch, ~264 in all, at most 64
     per row); 1 normalises in the one kernel, more add a merge kernel.
     interpret: None runs the interpreter on CPU backends and compiles with Triton elsewhere.
+    gather_q: the kernel reads its query rows from q as it is (no transposed, padded copy of q before the call;
+    JAXSPEC_ATTN_GATHER_Q=1 in the engine).
     Returns [B, Tq, NH, D] in q.dtype.
     """
     B, Tq, NH, D = q.shape
@@ -215,19 +229,23 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     rows = Tq * G
     block_q, padded_rows = query_rows(Tq, G, D, block_q)
     # Rows r = t * G + g; padding rows see no key (lo > hi) and come out as 0.
-    q_rows = q.reshape(B, Tq, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(B, KVH, rows, D)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))  # [B, KVH, R, D]
+    if gather_q:  # the kernel gathers the rows from q [B, Tq * NH, D] (a free reshape)
+        q_rows = q.reshape(B, Tq * NH, D)
+    else:
+        q_rows = q.reshape(B, Tq, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(B, KVH, rows, D)
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))  # [B, KVH, R, D]
     row_lo, row_hi, span = row_ranges(kv_start, q_lo, q_hi, G, padded_rows, kv_indices.shape[1])
     out = paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, scale=scale,
                                layer=layer, block_k=block_k, block_q=block_q, num_splits=num_splits,
-                               num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                               num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                               gather_q=(Tq, NH, G) if gather_q else None)
     return out[:, :, :rows].reshape(B, KVH, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, NH, D)
 
 
 def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, *, scale: float = 1.0,
                          layer: int | None = None, block_k: int | None = None, block_q: int | None = None,
                          num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                         interpret: bool | None = None, rope=None):
+                         interpret: bool | None = None, rope=None, gather_q=None):
     """`paged_attention` on queries already in the row layout (`query_rows`, `row_ranges`): q_rows [Bq, KVH, R, D],
     row_lo / row_hi int32[B, R], span int32[B, 2], B <= Bq: the first B rows are attended (more query rows may be
     padding of their producer; those output rows are left unwritten). Returns [Bq, KVH, R, D] in q_rows.dtype
@@ -235,8 +253,15 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     fused step) skip the transposes around it.
 
     rope: (q_swap [Bq, KVH, R, D], q_norm stack [L, D], its layer, cos, sin fp32 [Bq, D], eps) for raw projections
-    in q_rows, normed and rotated in the kernel (`_norm_rope`)."""
-    Bq, KVH, padded_rows, D = q_rows.shape
+    in q_rows, normed and rotated in the kernel (`_norm_rope`).
+    gather_q: (Tq, NH, G) when q_rows is the queries as they are, [Bq, Tq * NH, D] (`paged_attention`'s
+    gather_q); the kernel gathers each program's rows."""
+    if gather_q is None:
+        Bq, KVH, padded_rows, D = q_rows.shape
+    else:
+        if rope is not None:
+            raise ValueError("gather_q reads q as it is: it does not take the fused step's rope")
+        (Bq, _, D), KVH, padded_rows = q_rows.shape, k_cache.shape[-2], row_lo.shape[1]
     B = kv_indices.shape[0]
     width = kv_indices.shape[1]
     if B > Bq or row_lo.shape != (B, padded_rows) or span.shape != (B, 2):
@@ -261,7 +286,9 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     num_splits = _next_pow2(num_splits)  # the merge kernel holds the splits in one power-of-two block
 
     kernel = functools.partial(_attention_kernel, scale=scale, block_k=block_k, num_splits=num_splits, layer=layer,
-                               rope_eps=None if rope is None else rope[5])
+                               rope_eps=None if rope is None else rope[5],
+                               gather_q=None if gather_q is None else (block_q, gather_q[0] * gather_q[2], gather_q[1],
+                                                                       gather_q[2]))
 
     def whole(shape):  # read by slot or row index inside the kernel
         return pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))
@@ -273,7 +300,8 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
         whole(kv_indices.shape),
         rows_spec,
         rows_spec,
-        pl.BlockSpec((None, None, block_q, D), lambda b, h, r, s: (b, h, r, 0)),
+        pl.BlockSpec((None, None, block_q, D), lambda b, h, r, s: (b, h, r, 0)) if gather_q is None
+        else whole(q_rows.shape),
         whole(k_cache.shape),
         whole(v_cache.shape),
     ]

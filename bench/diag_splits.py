@@ -33,13 +33,40 @@ def chain(layers: int, num_splits):
     return run
 
 
+def cases(text: str) -> list[tuple[int, int]]:
+    """width:live pairs, e.g. 512:200,4096:1024 (live keys at most the width)."""
+    try:
+        pairs = [tuple(int(x) for x in case.split(":")) for case in text.split(",")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(c) != 2 or not 0 < c[1] <= c[0] for c in pairs):
+        raise argparse.ArgumentTypeError(f"expected width:live pairs with 0 < live <= width, got {text!r}")
+    return pairs
+
+
+def sizes(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive whole numbers, e.g. 1,5; got {text!r}")
+    return values
+
+
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--cases", default="512:200,512:512,4096:200,4096:1024,4096:4096",
+    p.add_argument("--layers", type=positive, default=16)
+    p.add_argument("--iters", type=positive, default=200)
+    p.add_argument("--cases", type=cases, default="512:200,512:512,4096:200,4096:1024,4096:4096",
                    help="width:live pairs")
-    p.add_argument("--tq", default="1,5")
+    p.add_argument("--tq", type=sizes, default="1,5", help="queries per row")
     p.add_argument("--json")
     args = p.parse_args()
     rng = np.random.default_rng(0)
@@ -48,11 +75,10 @@ def main():
     k = jax.random.normal(key, (slots, KVH, D), jnp.bfloat16)
     v = jax.random.normal(jax.random.fold_in(key, 1), (slots, KVH, D), jnp.bfloat16)
     rows = []
-    for case in args.cases.split(","):
-        width, live = map(int, case.split(":"))
+    for width, live in args.cases:
         idx = jnp.asarray(rng.permutation(slots)[:width][None].astype(np.int32))
         kv_start = jnp.zeros(1, jnp.int32)
-        for tq in map(int, args.tq.split(",")):
+        for tq in args.tq:
             block_q, padded = query_rows(tq, G, D, None)
             q_lo = jnp.zeros((1, tq), jnp.int32)
             q_hi = (live - tq + jnp.arange(tq, dtype=jnp.int32))[None]

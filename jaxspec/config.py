@@ -33,7 +33,8 @@ def compile_threads_env() -> int | None:
     return int(value)
 
 
-SWITCHES = ("JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE", "JAXSPEC_UNROLL_ROUNDS", "JAXSPEC_ATTN_GATHER_Q")  # on/off environment switches, for comparing runs
+# on/off environment switches, for comparing runs
+SWITCHES = ("JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE", "JAXSPEC_UNROLL_ROUNDS", "JAXSPEC_ATTN_GATHER_Q")
 
 
 def env_switch(name: str) -> bool | None:

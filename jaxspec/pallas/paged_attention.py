@@ -62,7 +62,7 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     o_ref: fp32[block_q, D] accumulator, m_ref / l_ref: fp32[block_q] running max / sum (max -inf: no key seen)
     With rope_eps, q_ref holds raw projections normed and rotated here (`_norm_rope`): qs_ref, qn_ref [D], cos_ref
     and sin_ref [D] follow it.
-    With gather_q = (block_q, rows, NH, G), q_ref is the whole q [Bq, Tq * NH, D] in its own layout and the program
+    With gather_q = (rows, NH, G), q_ref is the whole q [Bq, Tq * NH, D] in its own layout and the program
     gathers its rows r = t * G + g (query t, head h * G + g) itself: no transposed, padded copy of q before the
     call. Padding rows (r >= rows) re-read the last row; their masks let them see no key.
     """
@@ -79,8 +79,8 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
         block_q, head_dim = q_ref.shape
         q = q_ref[...]
     else:
-        block_q, rows, num_heads, group = gather_q
-        head_dim = q_ref.shape[-1]
+        rows, num_heads, group = gather_q
+        block_q, head_dim = row_lo_ref.shape[0], q_ref.shape[-1]
         r = jnp.minimum(pl.program_id(2) * block_q + lax.iota(jnp.int32, block_q), rows - 1)
         q = q_ref[b, (r // group) * num_heads + h * group + r % group, :]  # [block_q, D]
 
@@ -238,7 +238,7 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     out = paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, scale=scale,
                                layer=layer, block_k=block_k, block_q=block_q, num_splits=num_splits,
                                num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-                               gather_q=(Tq, NH, G) if gather_q else None)
+                               gather_q=(rows, NH, G) if gather_q else None)
     return out[:, :, :rows].reshape(B, KVH, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, NH, D)
 
 
@@ -254,7 +254,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
 
     rope: (q_swap [Bq, KVH, R, D], q_norm stack [L, D], its layer, cos, sin fp32 [Bq, D], eps) for raw projections
     in q_rows, normed and rotated in the kernel (`_norm_rope`).
-    gather_q: (Tq, NH, G) when q_rows is the queries as they are, [Bq, Tq * NH, D] (`paged_attention`'s
+    gather_q: (Tq * G, NH, G) when q_rows is the queries as they are, [Bq, Tq * NH, D] (`paged_attention`'s
     gather_q); the kernel gathers each program's rows."""
     if gather_q is None:
         Bq, KVH, padded_rows, D = q_rows.shape
@@ -286,9 +286,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     num_splits = _next_pow2(num_splits)  # the merge kernel holds the splits in one power-of-two block
 
     kernel = functools.partial(_attention_kernel, scale=scale, block_k=block_k, num_splits=num_splits, layer=layer,
-                               rope_eps=None if rope is None else rope[5],
-                               gather_q=None if gather_q is None else (block_q, gather_q[0] * gather_q[2], gather_q[1],
-                                                                       gather_q[2]))
+                               rope_eps=None if rope is None else rope[5], gather_q=gather_q)
 
     def whole(shape):  # read by slot or row index inside the kernel
         return pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))

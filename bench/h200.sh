@@ -25,6 +25,10 @@
 # RS_UNROLL=4,16 UNROLL_TIMEOUT=250 ... s11-unroll`; bench/diag_splits.py (no GGUF). Next: the unrolled 270M round
 # traced (RS=4 DUMP=1 TOP=80 ... s10-trace270), s12-gather, s11-alloc again (the buffer assignment now comes back), s12-same (E4B bf16 spec = plain over 64 prompts), the GPU lane's untested rest
 # (TESTS=... s6-tests: test_paged's last two, test_drafter, test_engine).
+# session 12 (issues #14, #17): the GGUF staged (tree cut), then the whole tree with .whl: `s7-convert && s12-gather`,
+# `RS=4 DUMP=1 TOP=80 ... s10-trace270`, `TESTS="tests/test_drafter.py tests/test_engine.py" ... s6-tests`; the GGUF
+# staged again on a fresh machine, `s7-convert && s12-sweep`, `s12-same`. Next: s13-qkv (after s7-convert), the rest
+# of test_engine.py in the GPU lane (TESTS="tests/test_engine.py -k 'not greedy_equals'"), s11-alloc.
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -389,6 +393,26 @@ s12-gather)  # issue #14 (next): JAXSPEC_ATTN_GATHER_Q=0 against 1 side by side 
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "matches_reference" \
     "tests/test_rounds.py::test_kernels_gathering_q_equal_transformers_greedy" > "$OUT/tests-gather.txt" 2>&1
   tail -2 "$OUT/tests-gather.txt" ;;
+s12-sweep)  # issues #17/#14: the default pair at bs 1, R 4 (unrolled, device-paced): plain against k 4 and 5, the default
+  # draft step and the fused one (bucketed-fused) side by side in one call (s7-convert first)
+  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
+  timeout ${SWEEP_TIMEOUT:-330} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$A" \
+    --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 \
+    --modes ${SWEEP_MODES:-off,bucketed,bucketed-fused} -k ${SWEEP_K:-4,5} --rounds-per-call ${RS:-4} --overlap on \
+    --json "$OUT/e2e-270m-sweep.json" > "$OUT/e2e-270m-sweep.log" 2>&1
+  grep "^e2e bs\|Error" "$OUT/e2e-270m-sweep.log" | head -12 ;;
+s13-qkv)  # issue #14 (next): JAXSPEC_FUSE_QKV=0 against 1 side by side (one q/k/v stack per layer group: no weight-slice
+  # copies for the verify's merged product; session 12's R-4 trace: 54 a call), the default pair at bs 1, plain and
+  # k 4 at R 4 (s7-convert first); then the fused-stack tests on the GPU (Triton kernels)
+  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
+  for fq in 0 1; do JAXSPEC_FUSE_QKV=$fq timeout ${FQ_TIMEOUT:-200} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m \
+      --assistant "$A" --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 \
+      --modes off,bucketed -k 4 --rounds-per-call ${RS:-4} --overlap on --json "$OUT/e2e-270m-fq$fq.json" \
+      > "$OUT/e2e-270m-fq$fq.log" 2>&1
+    echo "== JAXSPEC_FUSE_QKV=$fq"; grep "^e2e bs\|Error" "$OUT/e2e-270m-fq$fq.log" | head -4; done
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_model.py -k fused_qkv \
+    "tests/test_rounds.py::test_fused_qkv_engine_equals_transformers_greedy" > "$OUT/tests-qkv.txt" 2>&1
+  tail -2 "$OUT/tests-qkv.txt" ;;
 s12-same)  # issue #14 (next): bf16 batch invariance, the fraction of requests whose speculative greedy output equals
   # plain greedy output (`same_as_plain`) on the random E4B pair, 64 prompts of 1K, 64 new tokens, 16 at once; no GGUF
   timeout ${SAME_TIMEOUT:-500} python3 -m jaxspec.bench e2e --bs 16 --requests 64 --prompt-len 1024 --new-tokens 64 \

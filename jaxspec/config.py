@@ -34,7 +34,8 @@ def compile_threads_env() -> int | None:
 
 
 # on/off environment switches, for comparing runs
-SWITCHES = ("JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE", "JAXSPEC_UNROLL_ROUNDS", "JAXSPEC_ATTN_GATHER_Q")
+SWITCHES = ("JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE", "JAXSPEC_UNROLL_ROUNDS", "JAXSPEC_ATTN_GATHER_Q",
+            "JAXSPEC_FUSE_QKV")
 
 
 def env_switch(name: str) -> bool | None:

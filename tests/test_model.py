@@ -210,3 +210,24 @@ def test_missing_and_misshapen_tensors(tmp_path):
     _rewrite_tensors(d, lambda t: dict(t, **{"model.norm.weight": t["model.norm.weight"].astype(np.int8)}))
     with pytest.raises(ConfigError, match="unsupported dtype I8"):
         load_target(str(d))
+
+
+def test_fused_qkv_equals_transformers(case):
+    """gemma4.fuse_qkv (JAXSPEC_FUSE_QKV=1, an experiment): one q/k/v stack per layer group instead of three gives
+    transformers' logits, hidden states and stored K/V, for every checkpoint (KV sharing, k_eq_v, MoE, Gemma 3)."""
+    name, cfg, params, ref = case
+    fused = gemma4.fuse_qkv(params)
+    groups = fused["layers"].values()
+    assert any("qkv_proj" in g for g in groups) and not any("k_proj" in g or "v_proj" in g for g in groups)
+    logits, hidden, cache = run_dense(cfg, fused, ref["prompt_ids"])
+    check_against(name, cache, logits, hidden, ref, "", TOL)
+
+
+def test_fused_qkv_comparison_has_teeth():
+    """The fused stack's rows in another order (V's before K's) fail the comparison: the split is checked."""
+    cfg, params = load_target(golden_path("e2b", "target"), "fp32")
+    ref = load_reference("e2b")
+    swapped = {g: dict(w, k_proj=w["v_proj"], v_proj=w["k_proj"]) if "v_proj" in w else w
+               for g, w in params["layers"].items()}
+    logits, _, _ = run_dense(cfg, gemma4.fuse_qkv(dict(params, layers=swapped)), ref["prompt_ids"])
+    assert np.max(np.abs(logits - ref["logits"])) > 100 * TOL

@@ -251,3 +251,17 @@ def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch):
     eng.generate(reqs)
     assert [r.output_ids for r in reqs] == [o[:12] for o in outs]
     assert seen and all(g is not None for g in seen), seen
+
+
+def test_fused_qkv_engine_equals_transformers_greedy(oracle, monkeypatch):
+    """JAXSPEC_FUSE_QKV=1 (an experiment, off by default): the engine stores one q/k/v stack per layer group, and at
+    R 2 with overlap, prefill, drafts and verify still give transformers' greedy continuations."""
+    monkeypatch.setenv("JAXSPEC_FUSE_QKV", "1")
+    cfg, params, acfg, aparams, prompts, outs = oracle
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
+                 max_context=64, prefill_chunk=8, rounds_per_call=2, overlap=True)
+    groups = eng.runner.weights.target["layers"].values()
+    assert any("qkv_proj" in g for g in groups) and not any("k_proj" in g for g in groups)
+    reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
+    eng.generate(reqs)
+    assert [r.output_ids for r in reqs] == [o[:12] for o in outs]

@@ -41,17 +41,47 @@ def layer_weights(params, cfg: TargetConfig, i: int) -> dict:
     return {name: arr[j] for name, arr in params["layers"][group].items()}
 
 
+QKV_PARTS = ("q_proj", "k_proj", "v_proj")
+
+
+def fuse_qkv(params) -> dict:
+    """params with each layer group's q, k and v projection stacks as one `qkv_proj` stack [L, Nq + Nk (+ Nv), H]
+    (rows in that order; groups without k_proj keep q_proj as it is). An experiment (JAXSPEC_FUSE_QKV=1, one device
+    only): XLA merges the three products of a multi-row step into one GEMM over their concatenated weights, and
+    for that copies each layer's three weight slices out of their stacks every call (session 12's trace: 54 copies
+    a verify call of the 270M target); one stored stack is read in place."""
+    groups = {}
+    for name, group in params["layers"].items():
+        if "k_proj" not in group:
+            groups[name] = group
+            continue
+        parts = [group[n] for n in QKV_PARTS if n in group]
+        rest = {n: a for n, a in group.items() if n not in QKV_PARTS}
+        groups[name] = {**rest, "qkv_proj": jnp.concatenate(parts, axis=1)}
+    return {**params, "layers": groups}
+
+
 def qkv(w, cfg: TargetConfig, i: int, h, positions):
     """Projected, normed and rotated q [B,T,NH,d] and, for a non-shared layer, k, v [B,T,KVH,d] (else None)."""
     B, T, _ = h.shape
     eps, d = cfg.rms_norm_eps, cfg.layer_head_dim(i)
     rope = cfg.rope(cfg.layer_types[i])
-    q = linear(h, w["q_proj"]).reshape(B, T, cfg.num_heads, d)
+    if "qkv_proj" in w:  # fuse_qkv's stack: one product; q's rows first, then K's and V's (equal) or K's alone
+        out = linear(h, w["qkv_proj"])
+        nq = cfg.num_heads * d
+        q, kv = out[..., :nq], out[..., nq:]
+        parts = dict(zip(QKV_PARTS, (q, *jnp.split(kv, 2, axis=-1)))) if cfg.has_v_proj(i) else {"q_proj": q,
+                                                                                                   "k_proj": kv}
+        w = {**w, **parts}
+        project = lambda name: w[name]  # noqa: E731
+    else:
+        project = lambda name: linear(h, w[name])  # noqa: E731
+    q = project("q_proj").reshape(B, T, cfg.num_heads, d)
     q = apply_rope(rms_norm(q, w["q_norm"], eps), positions, rope)
     if "k_proj" not in w:
         return q, None, None
-    k = linear(h, w["k_proj"]).reshape(B, T, -1, d)
-    v = linear(h, w["v_proj"]).reshape(B, T, -1, d) if "v_proj" in w else k  # k_eq_v: V is the raw K projection
+    k = project("k_proj").reshape(B, T, -1, d)
+    v = project("v_proj").reshape(B, T, -1, d) if "v_proj" in w else k  # k_eq_v: V is the raw K projection
     k = apply_rope(rms_norm(k, w["k_norm"], eps), positions, rope)
     if cfg.use_v_norm:
         v = rms_norm(v, None, eps)

@@ -428,9 +428,9 @@ s10-trace270)  # issue #17 (next): where a 270M round's fixed ~1.2 ms goes (s7-c
     --model /root/gemma-3-270m --assistant "$A" --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 4 \
     --new-tokens 64 --modes off,bucketed -k 4 --rounds-per-call ${RS:-1} --overlap on --profile-dir /tmp/t \
     --json "$OUT/e2e-270m-r1.json" > "$OUT/trace270.log" 2>&1
+  f=$(ls -S /tmp/hlo/*decode_rounds*after_optimizations.txt 2>/dev/null | head -1)  # the k-4 row's (the largest)
   for i in 0 1; do timeout 100 python3 -m jaxspec.bench trace /tmp/t/row-$i --top ${TOP:-25} \
-    --json "$OUT/trace270-row$i.json" >> "$OUT/trace270.log" 2>&1; done
-  f=$(ls -S /tmp/hlo/*decode_rounds*after_optimizations.txt 2>/dev/null | head -1)
+    $([ $i = 1 ] && [ -n "$f" ] && echo "--hlo $f") --json "$OUT/trace270-row$i.json" >> "$OUT/trace270.log" 2>&1; done
   [ -n "$f" ] && xz -c "$f" > "$OUT/decode-rounds-hlo.txt.xz"
   grep -h "^e2e bs\|launches\|all kernels\|Error" "$OUT"/trace270.log | head -20 ;;
 s9-e2e)  # issue #17: the shipped drafter at k 1..6 against plain, bs 1, 16 held-out prompts, 128 new tokens

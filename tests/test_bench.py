@@ -265,3 +265,47 @@ def test_trace_summary_of_a_gpu_trace(tmp_path):
         "jit_verify_step(7)": (3, pytest.approx(0.45)), "jit_draft_bucket(7)": (3, pytest.approx(0.2))}
     assert r["kernel_us_per_round"] == pytest.approx(0.2 + 0.45 + 0.1)
     assert run(tmp_path, "trace", str(prof), "--rounds", "6")["kernel_launches_per_round"] == 2.5
+
+
+HLO = """HloModule jit_decode_rounds, entry_computation_layout={()}
+
+%fused_pad.3 (param_0.1: bf16[1,20,256]) -> bf16[1,32,256] {
+  %param_0.1 = bf16[1,20,256]{2,1,0} parameter(0)
+  ROOT %pad.1 = bf16[1,32,256]{2,1,0} pad(%param_0.1, %c), padding=0_0x0_12x0_0
+}
+
+ENTRY %main.9 (p: bf16[1,20,256]) -> f32[5] {
+  %loop_pad_fusion.3 = bf16[1,32,256]{2,1,0} fusion(%p), kind=kLoop, calls=%fused_pad.3, metadata={op_name="jit(decode_rounds)/jit(paged_attention)/pad" scheduling_name="loop_pad_fusion.3"}
+  %input_reduce_fusion.8 = f32[5]{0} fusion(%loop_pad_fusion.3), kind=kInput, metadata={op_name="jit(decode_rounds)/reduce_sum" deduplicated_name="input_reduce_fusion.5" scheduling_name="input_reduce_fusion.8"}
+  ROOT %t = f32[5]{0} copy(%input_reduce_fusion.8)
+}
+"""
+
+
+def test_trace_names_kernels_from_the_hlo(tmp_path, capsys):
+    """`trace --hlo` gives each listed kernel the shape and jax op of the HLO instruction it was emitted from, by the
+    instruction's name or the name of the kernel it shares (`deduplicated_name`), from a plain or an .xz dump; a
+    kernel the HLO does not name (a Pallas call) gets none; a missing or unreadable file is one line and exit 2."""
+    import lzma
+
+    prof = tmp_path / "prof"
+    write_gpu_trace(prof, [(1, "loop_pad_fusion_3", "jit_decode_rounds", 0, 300),
+                           (1, "input_reduce_fusion_5", "jit_decode_rounds", 300, 500),
+                           (1, "paged_attention", "jit_decode_rounds", 500, 600)])
+    (tmp_path / "hlo.txt").write_text(HLO)
+    with lzma.open(tmp_path / "hlo.txt.xz", "wt") as f:
+        f.write(HLO)
+    for name in ("hlo.txt", "hlo.txt.xz"):
+        r = run(tmp_path, "trace", str(prof), "--hlo", str(tmp_path / name))
+        assert [(k["kernel"], k["shape"], k["op"]) for k in r["kernels"]] == [
+            ("loop_pad_fusion_3", "bf16[1,32,256]{2,1,0}", "jit(decode_rounds)/jit(paged_attention)/pad"),
+            ("input_reduce_fusion_5", "f32[5]{0}", "jit(decode_rounds)/reduce_sum"),
+            ("paged_attention", "", "")]
+    assert "jit(decode_rounds)/reduce_sum" in capsys.readouterr().out
+    (tmp_path / "bad.xz").write_bytes(b"not xz")
+    for missing in ("nothing.txt", "bad.xz"):
+        with pytest.raises(SystemExit) as e:
+            run(tmp_path, "trace", str(prof), "--hlo", str(tmp_path / missing))
+        assert e.value.code == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("error: --hlo:"), line

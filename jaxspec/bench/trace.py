@@ -6,6 +6,10 @@ module executions (graph launches); for the whole trace: the GPU-busy fraction (
 over the wall time from the first kernel's start to the last kernel's end; kernels on several streams overlap, so
 their durations do not add up to busy time) and the median idle gap between a round's last kernel and the next one.
 Times are in ns, as `jax.profiler.ProfileEvent.start_ns` / `end_ns` give them.
+
+With --hlo (XLA's optimized HLO of the traced program, `--xla_dump_to`'s *after_optimizations.txt, plain or .xz),
+each listed kernel also gets the shape and the jax op (`op_name` metadata) of the fusion it was emitted from: a trace
+names kernels by their fusion (`input_reduce_fusion_501`: the HLO's `input_reduce_fusion.501`), not by what they do.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import argparse
 import bisect
 import glob
+import lzma
 import os
+import re
 from collections import defaultdict
 from typing import NamedTuple
 
@@ -161,6 +167,47 @@ def summarise(path: str, rounds: int | None = None, top: int = 15) -> dict:
                         for name, (n, t) in sorted(kernel_totals.items(), key=lambda kv: -kv[1][1])[:top]]}
 
 
+# one HLO instruction: `%name = shape opcode(...)`, then its metadata (op_name, deduplicated_name)
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_DEDUPLICATED = re.compile(r'deduplicated_name="([^"]*)"')
+
+
+def hlo_kernels(text: str) -> dict[str, tuple[str, str]]:
+    """{kernel name as a trace gives it: (shape, jax op)} of every instruction in an HLO module's text. A kernel is
+    named after its instruction with '.' as '_'; instructions that share one kernel (`deduplicated_name`) map to
+    the first of them. Nested computations' instructions are included (a trace names only emitted ones)."""
+    found: dict[str, tuple[str, str]] = {}
+    for line in text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        op = _OP_NAME.search(line)
+        entry = (m.group(2), op.group(1) if op else "")
+        dedup = _DEDUPLICATED.search(line)
+        for name in (m.group(1), dedup.group(1) if dedup else None):
+            if name:
+                found.setdefault(name.replace(".", "_"), entry)
+    return found
+
+
+def read_hlo(path: str) -> str:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--hlo: no file {path}")
+    try:
+        with (lzma.open(path, "rt") if path.endswith(".xz") else open(path)) as f:
+            return f.read()
+    except (OSError, lzma.LZMAError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--hlo: cannot read {path}: {e}") from e
+
+
+def annotate(kernels: list[dict], names: dict[str, tuple[str, str]]) -> list[dict]:
+    """The summary's kernel rows with the shape and op of the fusion each came from ("" where the HLO has no
+    instruction of that name: custom calls such as Pallas kernels, copies)."""
+    return [{**k, "shape": names.get(k["kernel"], ("", ""))[0], "op": names.get(k["kernel"], ("", ""))[1]}
+            for k in kernels]
+
+
 # ---- the subcommand ------------------------------------------------------------------------------------------------
 
 
@@ -169,6 +216,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=positive, default=15, help="kernels to list")
     p.add_argument("--rounds", type=positive, help="rounds in the trace (default: the executions of the verify / "
                    "round modules; the e2e JSON's `rounds` of the profiled run)")
+    p.add_argument("--hlo", help="XLA's optimized HLO of the traced program (*after_optimizations.txt, or .xz): "
+                   "name each kernel's shape and jax op")
 
 
 def optional(value, fmt: str) -> str:
@@ -177,7 +226,10 @@ def optional(value, fmt: str) -> str:
 
 def run(args) -> dict:
     """The top device kernels and XLA modules of a profiler trace per round, its GPU-busy fraction and round gaps."""
+    names = hlo_kernels(read_hlo(args.hlo)) if args.hlo else None
     s = summarise(newest_trace(args.dir), args.rounds, args.top)
+    if names is not None:
+        s["kernels"] = annotate(s["kernels"], names)
     if not s["rounds"]:
         print("note: no verify / round module found in the trace: figures are totals (pass --rounds N for per-round)")
     print_table(f"XLA modules of {s['trace']} ({s['rounds']} rounds)",
@@ -186,7 +238,8 @@ def run(args) -> dict:
     print_table(f"top {args.top} device kernels (all kernels: {s['kernel_us_per_round']:.1f} us/round in "
                 f"{s['kernel_launches_per_round']:.0f} launches/round)",
                 [("kernel", "kernel", "{}"), ("calls", "calls", "{}"), ("us_per_round", "us/round", "{:.1f}"),
-                 ("share", "share", "{:.1%}")], s["kernels"])
+                 ("share", "share", "{:.1%}")]
+                + ([("shape", "shape", "{:.32}"), ("op", "op", "{:.70}")] if names is not None else []), s["kernels"])
     print(f"\nGPU busy {s['gpu_busy_fraction']:.1%} of the {s['decode_wall_us']:.0f} us from the first kernel to the "
           f"last; idle after a round: median {optional(s['round_gap_us'], '{:.1f}')} us; "
           f"{optional(s['module_executions_per_round'], '{:.1f}')} XLA module executions (graph launches) per round")

@@ -39,6 +39,16 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu-${1:-bench}.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" >> "$OUT/gpu-${1:-bench}.txt" 2>&1
 
+switch_ab_270m() {  # $1 an environment switch, $2 a file tag, $3 a timeout: the default pair at bs 1, 16 held-out
+  # prompts, plain and k 4 at R $RS (default 4), once with the switch 0 and once with 1 (s7-convert first)
+  local A v; A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
+  for v in 0 1; do env "$1=$v" timeout "$3" python3 -m jaxspec.bench e2e --model /root/gemma-3-270m \
+      --assistant "$A" --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 \
+      --modes off,bucketed -k 4 --rounds-per-call ${RS:-4} --overlap on --json "$OUT/e2e-270m-$2$v.json" \
+      > "$OUT/e2e-270m-$2$v.log" 2>&1
+    echo "== $1=$v"; grep "^e2e bs\|Error" "$OUT/e2e-270m-$2$v.log" | head -4; done
+}
+
 case "${1:-bench}" in
 tests)  # the same tests as on the CPU, kernels compiled by Triton (test_generate needs transformers 5.24: skipped)
   timeout 560 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_paged.py \
@@ -384,12 +394,7 @@ s11-unroll)  # issues #17/#13 (next): R rounds a call as a device `while` loop a
 s12-gather)  # issue #14 (next): JAXSPEC_ATTN_GATHER_Q=0 against 1 side by side (the attention kernel reading its query
   # rows from q as it is: no transposed, padded copy of q before each call; session 10's k-4 round had 27 pad fusions),
   # the default pair at bs 1, plain and k 4 at R 4 (s7-convert first); then the GPU lane's test of the switch
-  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
-  for gq in 0 1; do JAXSPEC_ATTN_GATHER_Q=$gq timeout ${GQ_TIMEOUT:-200} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m \
-      --assistant "$A" --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 \
-      --modes off,bucketed -k 4 --rounds-per-call ${RS:-4} --overlap on --json "$OUT/e2e-270m-gq$gq.json" \
-      > "$OUT/e2e-270m-gq$gq.log" 2>&1
-    echo "== JAXSPEC_ATTN_GATHER_Q=$gq"; grep "^e2e bs\|Error" "$OUT/e2e-270m-gq$gq.log" | head -4; done
+  switch_ab_270m JAXSPEC_ATTN_GATHER_Q gq ${GQ_TIMEOUT:-200}
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "matches_reference" \
     "tests/test_rounds.py::test_kernels_gathering_q_equal_transformers_greedy" > "$OUT/tests-gather.txt" 2>&1
   tail -2 "$OUT/tests-gather.txt" ;;
@@ -404,12 +409,7 @@ s12-sweep)  # issues #17/#14: the default pair at bs 1, R 4 (unrolled, device-pa
 s13-qkv)  # issue #14 (next): JAXSPEC_FUSE_QKV=0 against 1 side by side (one q/k/v stack per layer group: no weight-slice
   # copies for the verify's merged product; session 12's R-4 trace: 54 a call), the default pair at bs 1, plain and
   # k 4 at R 4 (s7-convert first); then the fused-stack tests on the GPU (Triton kernels)
-  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
-  for fq in 0 1; do JAXSPEC_FUSE_QKV=$fq timeout ${FQ_TIMEOUT:-200} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m \
-      --assistant "$A" --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 \
-      --modes off,bucketed -k 4 --rounds-per-call ${RS:-4} --overlap on --json "$OUT/e2e-270m-fq$fq.json" \
-      > "$OUT/e2e-270m-fq$fq.log" 2>&1
-    echo "== JAXSPEC_FUSE_QKV=$fq"; grep "^e2e bs\|Error" "$OUT/e2e-270m-fq$fq.log" | head -4; done
+  switch_ab_270m JAXSPEC_FUSE_QKV fq ${FQ_TIMEOUT:-200}
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_model.py -k fused_qkv \
     "tests/test_rounds.py::test_fused_qkv_engine_equals_transformers_greedy" > "$OUT/tests-qkv.txt" 2>&1
   tail -2 "$OUT/tests-qkv.txt" ;;

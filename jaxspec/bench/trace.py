@@ -204,8 +204,7 @@ def read_hlo(path: str) -> str:
 def annotate(kernels: list[dict], names: dict[str, tuple[str, str]]) -> list[dict]:
     """The summary's kernel rows with the shape and op of the fusion each came from ("" where the HLO has no
     instruction of that name: custom calls such as Pallas kernels, copies)."""
-    return [{**k, "shape": names.get(k["kernel"], ("", ""))[0], "op": names.get(k["kernel"], ("", ""))[1]}
-            for k in kernels]
+    return [dict(k, **dict(zip(("shape", "op"), names.get(k["kernel"], ("", ""))))) for k in kernels]
 
 
 # ---- the subcommand ------------------------------------------------------------------------------------------------

@@ -68,20 +68,17 @@ def qkv(w, cfg: TargetConfig, i: int, h, positions):
     rope = cfg.rope(cfg.layer_types[i])
     if "qkv_proj" in w:  # fuse_qkv's stack: one product; q's rows first, then K's and V's (equal) or K's alone
         out = linear(h, w["qkv_proj"])
-        nq = cfg.num_heads * d
-        q, kv = out[..., :nq], out[..., nq:]
-        parts = dict(zip(QKV_PARTS, (q, *jnp.split(kv, 2, axis=-1)))) if cfg.has_v_proj(i) else {"q_proj": q,
-                                                                                                   "k_proj": kv}
-        w = {**w, **parts}
-        project = lambda name: w[name]  # noqa: E731
+        q, kv = out[..., : cfg.num_heads * d], out[..., cfg.num_heads * d:]
+        proj = {"q_proj": q, **(dict(zip(("k_proj", "v_proj"), jnp.split(kv, 2, axis=-1))) if cfg.has_v_proj(i)
+                                else {"k_proj": kv})}
     else:
-        project = lambda name: linear(h, w[name])  # noqa: E731
-    q = project("q_proj").reshape(B, T, cfg.num_heads, d)
+        proj = {name: linear(h, w[name]) for name in QKV_PARTS if name in w}
+    q = proj["q_proj"].reshape(B, T, cfg.num_heads, d)
     q = apply_rope(rms_norm(q, w["q_norm"], eps), positions, rope)
-    if "k_proj" not in w:
+    if "k_proj" not in proj:
         return q, None, None
-    k = project("k_proj").reshape(B, T, -1, d)
-    v = project("v_proj").reshape(B, T, -1, d) if "v_proj" in w else k  # k_eq_v: V is the raw K projection
+    k = proj["k_proj"].reshape(B, T, -1, d)
+    v = proj["v_proj"].reshape(B, T, -1, d) if "v_proj" in proj else k  # k_eq_v: V is the raw K projection
     k = apply_rope(rms_norm(k, w["k_norm"], eps), positions, rope)
     if cfg.use_v_norm:
         v = rms_norm(v, None, eps)

@@ -413,6 +413,22 @@ s13-qkv)  # issue #14 (next): JAXSPEC_FUSE_QKV=0 against 1 side by side (one q/k
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_model.py -k fused_qkv \
     "tests/test_rounds.py::test_fused_qkv_engine_equals_transformers_greedy" > "$OUT/tests-qkv.txt" 2>&1
   tail -2 "$OUT/tests-qkv.txt" ;;
+s14-ab)  # issue #14: JAXSPEC_FUSE_QKV x JAXSPEC_ATTN_GATHER_Q (q read and, since session 13, the attention output
+  # written in q's own layout: no pad before the kernel, no un-padding slice after it), the four side by side, the
+  # default pair at bs 1, plain and k 4 at R 4 (s7-convert first)
+  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
+  for fq in 0 1; do for gq in 0 1; do
+    JAXSPEC_FUSE_QKV=$fq JAXSPEC_ATTN_GATHER_Q=$gq timeout ${AB_TIMEOUT:-140} python3 -m jaxspec.bench e2e \
+      --model /root/gemma-3-270m --assistant "$A" --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 \
+      --new-tokens 128 --modes off,bucketed -k 4 --rounds-per-call ${RS:-4} --overlap on \
+      --json "$OUT/e2e-270m-fq$fq-gq$gq.json" > "$OUT/e2e-270m-fq$fq-gq$gq.log" 2>&1
+    echo "== FUSE_QKV=$fq GATHER_Q=$gq"; grep "^e2e bs\|Error" "$OUT/e2e-270m-fq$fq-gq$gq.log" | head -4; done; done ;;
+s14-tests)  # issue #14's GPU lane for session 13's changes: the attention kernels against their reference (q gathered
+  # and the output scattered in q's layout, Triton), the fused q/k/v stacks, both switches through the engine
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+    tests/test_model.py -k "matches_reference or has_teeth or fused_qkv or gathering_q" tests/test_rounds.py \
+    > "$OUT/tests-s14.txt" 2>&1
+  tail -3 "$OUT/tests-s14.txt" ;;
 s12-same)  # issue #14 (next): bf16 batch invariance, the fraction of requests whose speculative greedy output equals
   # plain greedy output (`same_as_plain`) on the random E4B pair, 64 prompts of 1K, 64 new tokens, 16 at once; no GGUF
   timeout ${SAME_TIMEOUT:-500} python3 -m jaxspec.bench e2e --bs 16 --requests 64 --prompt-len 1024 --new-tokens 64 \

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jaxspec.pallas.kv_indices import gather_kv_indices, gather_kv_indices_ref
-from jaxspec.pallas.paged_attention import paged_attention, paged_attention_blocked, paged_attention_ref
+from jaxspec.pallas.paged_attention import paged_attention, paged_attention_blocked, paged_attention_ref, query_rows
 
 # The kernel modules silence this at import, but pytest resets warning filters for each test.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -144,8 +144,9 @@ ATTENTION_CASES = [
                          ids=[f"g{c[0]}-tq{c[1]}-d{c[2]}-{jnp.dtype(c[3]).name}-{'swa' if c[4] else 'full'}"
                               f"-s{c[6]['num_splits']}{'-bq' if 'block_q' in c[6] else ''}" for c in ATTENTION_CASES])
 def test_paged_attention_matches_reference(g, tq, d, dtype, window, cached, tuning, gather_q):
-    """gather_q: the kernel reads its query rows from q as it is (two kv heads, so rows of a kv head are not
-    contiguous in q) instead of a transposed, padded copy."""
+    """gather_q: the kernels read their query rows from q as it is (two kv heads, so rows of a kv head are not
+    contiguous in q) instead of a transposed, padded copy, and write their output rows in that layout (padding rows
+    write nothing: the real rows they repeat must survive)."""
     rng = np.random.default_rng(0)
     batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
     x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
@@ -254,6 +255,11 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
             spec((B, width), jnp.int32), spec((B,), jnp.int32), spec((B, tq), jnp.int32), spec((B, tq), jnp.int32),
         )
         assert text.count("__gpu$xla.gpu.triton") == (1 if splits == 1 else 2)  # attention (+ the split merge)
+        # gather_q: q goes in and the output comes out in q's own layout, no transposed, padded copy before the
+        # kernels and no un-padding slice after them; the row layout needs both
+        padded = query_rows(tq, g, d)[1] > tq * g
+        copies = ("stablehlo.transpose" in text, "stablehlo.slice" in text)
+        assert copies == ((False, False) if gather_q else (True, padded)), (B, tq, kvh, g, d, gather_q)
     for swa in (None, spec((4096,), jnp.int32)):
         text = lower(
             lambda t, s, e, m: gather_kv_indices(t, s, e, m, width=131072, page_size=16, interpret=False),

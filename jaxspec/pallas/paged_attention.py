@@ -79,10 +79,9 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
         block_q, head_dim = q_ref.shape
         q = q_ref[...]
     else:
-        rows, num_heads, group = gather_q
         block_q, head_dim = row_lo_ref.shape[0], q_ref.shape[-1]
-        r = jnp.minimum(pl.program_id(2) * block_q + lax.iota(jnp.int32, block_q), rows - 1)
-        q = q_ref[b, (r // group) * num_heads + h * group + r % group, :]  # [block_q, D]
+        r, own = _own_rows(gather_q, h, block_q)
+        q = q_ref[b, r, :]  # [block_q, D]
 
     first = span_ref[b, 0]
     last = span_ref[b, 1]
@@ -132,7 +131,11 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     )
     acc, m, l = lax.fori_loop(0, num_blocks, body, init)
     if not ml_refs:
-        o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+        out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+        if gather_q is None:
+            o_ref[...] = out
+        else:  # straight into q's layout; padding rows write nothing
+            _store_rows(o_ref, b, r, own, lax.iota(jnp.int32, head_dim), out)
         return
     m_ref, l_ref = ml_refs
     o_ref[...] = acc
@@ -140,19 +143,49 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     l_ref[...] = l
 
 
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
+def _own_rows(gather_q, h, block_q: int):
+    """q's own layout [Bq, Tq * NH, D] (`gather_q` = (rows, NH, G)): the q rows of program (., h, row_block, .)'s
+    block_q layout rows r = t * G + g (query t, head h * G + g), and which of them are real (r < rows); padding rows
+    re-read the last real row."""
+    rows, num_heads, group = gather_q
+    r = pl.program_id(2) * block_q + lax.iota(jnp.int32, block_q)
+    own = r < rows
+    r = jnp.minimum(r, rows - 1)
+    return (r // group) * num_heads + h * group + r % group, own
+
+
+def _store_rows(ref, b, rows, own, cols, value):
+    """ref[b, rows[i], cols[j]] = value[i, j] where own[i]: a masked scatter of [len(rows), len(cols)] (index arrays
+    on both axes, which the interpreter's discharge of a masked store takes as well as Triton). Rows not owned are
+    sent past the end: Triton's mask skips them, and the interpreter, which writes a masked store as a scatter of the
+    old values, drops them instead of letting them race the real row they repeat."""
+    shape = value.shape
+    rows = jnp.where(own, rows, ref.shape[1])
+    pltriton.store(ref.at[b, jnp.broadcast_to(rows[:, None], shape), jnp.broadcast_to(cols[None, :], shape)], value,
+                   mask=jnp.broadcast_to(own[:, None], shape))
+
+
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, gather_q=None):
     """Program (b, h, row_block, d_block): log-sum-exp merge of the splits' partials, all splits at once in registers
     (no loop: a loop over splits would pay one global-load latency per split). A split that saw no key has m = -inf
     and weight 0; a row that no split saw comes out as 0.
 
-    o_ref: fp32[S, block_q, block_d]; m_ref, l_ref: fp32[S, block_q]; out_ref: [block_q, block_d] in the output dtype.
+    o_ref: fp32[S, block_q, block_d]; m_ref, l_ref: fp32[S, block_q]; out_ref: [block_q, block_d] in the output dtype,
+    or with gather_q (`_own_rows`) the whole output [Bq, Tq * NH, D] in q's layout, written at this program's rows
+    and columns.
     """
     m = m_ref[...]
     m_all = jnp.max(m, axis=0, keepdims=True)  # [1, block_q]
     w = jnp.exp(m - jnp.where(m_all == -jnp.inf, 0.0, m_all))  # [S, block_q]
     denom = jnp.sum(w * l_ref[...], axis=0)  # [block_q]
     acc = jnp.sum(w[:, :, None] * o_ref[...], axis=0)  # [block_q, block_d]
-    out_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(out_ref.dtype)
+    out = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(out_ref.dtype)
+    if gather_q is None:
+        out_ref[...] = out
+        return
+    block_q, block_d = out.shape
+    r, own = _own_rows(gather_q, pl.program_id(1), block_q)
+    _store_rows(out_ref, pl.program_id(0), r, own, pl.program_id(3) * block_d + lax.iota(jnp.int32, block_d), out)
 
 
 def _live_span(kv_start, q_lo, q_hi, width: int):
@@ -217,8 +250,9 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     rounded up to a power of two (default: enough programs to fill the GPU at small batch, ~264 in all, at most 64
     per row); 1 normalises in the one kernel, more add a merge kernel.
     interpret: None runs the interpreter on CPU backends and compiles with Triton elsewhere.
-    gather_q: the kernel reads its query rows from q as it is (no transposed, padded copy of q before the call;
-    JAXSPEC_ATTN_GATHER_Q=1 in the engine).
+    gather_q: the kernels read their query rows from q as it is and write their output rows in that layout (no
+    transposed, padded copy of q before the call, no un-padding copy after it; JAXSPEC_ATTN_GATHER_Q=1 in the
+    engine).
     Returns [B, Tq, NH, D] in q.dtype.
     """
     B, Tq, NH, D = q.shape
@@ -239,6 +273,8 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
                                layer=layer, block_k=block_k, block_q=block_q, num_splits=num_splits,
                                num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                                gather_q=(rows, NH, G) if gather_q else None)
+    if gather_q:  # written in q's layout: no un-padding copy after the call either
+        return out.reshape(B, Tq, NH, D)
     return out[:, :, :rows].reshape(B, KVH, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, NH, D)
 
 
@@ -255,7 +291,8 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     rope: (q_swap [Bq, KVH, R, D], q_norm stack [L, D], its layer, cos, sin fp32 [Bq, D], eps) for raw projections
     in q_rows, normed and rotated in the kernel (`_norm_rope`).
     gather_q: (Tq * G, NH, G) when q_rows is the queries as they are, [Bq, Tq * NH, D] (`paged_attention`'s
-    gather_q); the kernel gathers each program's rows."""
+    gather_q); the kernel gathers each program's rows, and the result comes back in that layout too,
+    [Bq, Tq * NH, D] (the last kernel stores each row where its query sits; padding rows store nothing)."""
     if gather_q is None:
         Bq, KVH, padded_rows, D = q_rows.shape
     else:
@@ -310,13 +347,18 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
         in_specs[6:6] = [in_specs[5], pl.BlockSpec((None, D), lambda b, h, r, s: (q_norm_layer, 0)), row, row]
         args[6:6] = [q_swap, q_norm, cos, sin]
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    if gather_q is None:
+        out_shape = jax.ShapeDtypeStruct((Bq, KVH, padded_rows, D), q_rows.dtype)
+    else:  # q's own layout, written row by row (`_own_rows`)
+        out_shape = jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype)
     if num_splits == 1:  # the program normalises: no partials, no merge
         return pl.pallas_call(
             kernel,
             grid=(B, KVH, row_blocks, 1),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, None, block_q, D), lambda b, h, r, s: (b, h, r, 0)),
-            out_shape=jax.ShapeDtypeStruct((Bq, KVH, padded_rows, D), q_rows.dtype),
+            out_specs=pl.BlockSpec((None, None, block_q, D), lambda b, h, r, s: (b, h, r, 0)) if gather_q is None
+            else whole(out_shape.shape),
+            out_shape=out_shape,
             compiler_params=params,
             interpret=interpret,
             name="paged_attention",
@@ -343,12 +385,13 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     block_d = max(1, min(D, 16384 // (num_splits * block_q)))
     split_rows = pl.BlockSpec((None, None, num_splits, block_q), lambda b, h, r, d: (b, h, 0, r))
     return pl.pallas_call(
-        _merge_kernel,
+        functools.partial(_merge_kernel, gather_q=gather_q),
         grid=(B, KVH, row_blocks, D // block_d),
         in_specs=[pl.BlockSpec((None, None, num_splits, block_q, block_d), lambda b, h, r, d: (b, h, 0, r, d)),
                   split_rows, split_rows],
-        out_specs=pl.BlockSpec((None, None, block_q, block_d), lambda b, h, r, d: (b, h, r, d)),
-        out_shape=jax.ShapeDtypeStruct((Bq, KVH, padded_rows, D), q_rows.dtype),
+        out_specs=pl.BlockSpec((None, None, block_q, block_d), lambda b, h, r, d: (b, h, r, d)) if gather_q is None
+        else pl.BlockSpec(out_shape.shape, lambda b, h, r, d: (0, 0, 0)),
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="paged_attention_merge",

@@ -29,6 +29,8 @@
 # `RS=4 DUMP=1 TOP=80 ... s10-trace270`, `TESTS="tests/test_drafter.py tests/test_engine.py" ... s6-tests`; the GGUF
 # staged again on a fresh machine, `s7-convert && s12-sweep`, `s12-same`. Next: s13-qkv (after s7-convert), the rest
 # of test_engine.py in the GPU lane (TESTS="tests/test_engine.py -k 'not greedy_equals'"), s11-alloc.
+# session 13 (issues #14, #17): the GGUF staged (tree cut), then the whole tree with .whl: `s7-convert && s14-ab`; then
+# `s14-tests` (the GPU lane of the session's kernel change and both switches) and `s14-e4b` (no GGUF).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -429,6 +431,20 @@ s14-tests)  # issue #14's GPU lane for session 13's changes: the attention kerne
     tests/test_model.py -k "matches_reference or has_teeth or fused_qkv or gathering_q" tests/test_rounds.py \
     > "$OUT/tests-s14.txt" 2>&1
   tail -3 "$OUT/tests-s14.txt" ;;
+s14-e4b)  # issue #14: the E4B verify step (bs 1 and 16, 4K) with session 13's two switches off and on (the defaults),
+  # its bs-1 calls traced (launches and kernel time per call); then decode and propose as shipped (no GGUF)
+  for v in 0 1; do
+    JAXSPEC_FUSE_QKV=$v JAXSPEC_ATTN_GATHER_Q=$v XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true \
+      timeout ${VERIFY_TIMEOUT:-150} python3 -m jaxspec.bench verify --bs ${VERIFY_BS:-1,16} --profile-dir /tmp/v$v \
+      --json "$OUT/verify-sw$v.json" > "$OUT/verify-sw$v.log" 2>&1
+    timeout 60 python3 -m jaxspec.bench trace /tmp/v$v --rounds 20 --json "$OUT/trace-verify-sw$v.json" \
+      >> "$OUT/verify-sw$v.log" 2>&1
+    echo "== switches $v"; grep "^step of\|launches\|all kernels\|Error" "$OUT/verify-sw$v.log" | head -6; done
+  [ "${E4B_REST:-1}" = 1 ] || exit 0  # E4B_REST=0: the verify step only
+  timeout ${DECODE_TIMEOUT:-120} python3 -m jaxspec.bench decode --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1
+  timeout ${PROPOSE_TIMEOUT:-150} python3 -m jaxspec.bench propose --bs 1,64 --ctx 4096 --variants bucketed \
+    --json "$OUT/propose.json" > "$OUT/propose.log" 2>&1
+  grep -h "^step of\|Error" "$OUT/decode.log"; grep -A4 "^ctx  bs" "$OUT/propose.log" | head -6 ;;
 s12-same)  # issue #14 (next): bf16 batch invariance, the fraction of requests whose speculative greedy output equals
   # plain greedy output (`same_as_plain`) on the random E4B pair, 64 prompts of 1K, 64 new tokens, 16 at once; no GGUF
   timeout ${SAME_TIMEOUT:-500} python3 -m jaxspec.bench e2e --bs 16 --requests 64 --prompt-len 1024 --new-tokens 64 \

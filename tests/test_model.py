@@ -213,7 +213,7 @@ def test_missing_and_misshapen_tensors(tmp_path):
 
 
 def test_fused_qkv_equals_transformers(case):
-    """gemma4.fuse_qkv (JAXSPEC_FUSE_QKV=1, an experiment): one q/k/v stack per layer group instead of three gives
+    """gemma4.fuse_qkv (the engine's default on one device): one q/k/v stack per layer group instead of three gives
     transformers' logits, hidden states and stored K/V, for every checkpoint (KV sharing, k_eq_v, MoE, Gemma 3)."""
     name, cfg, params, ref = case
     fused = gemma4.fuse_qkv(params)

@@ -234,13 +234,18 @@ def test_sampled_outputs_do_not_depend_on_rounds_per_call_or_overlap(tiny):
         assert got == want, f"R {rounds} overlap {overlap}"
 
 
-def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch):
-    """JAXSPEC_ATTN_GATHER_Q=1 (an experiment, off by default): the attention kernel reads its query rows from q as
-    it is, no transposed and padded copy before each call. With the kernels (interpreted on the CPU) at R 2 with
-    overlap, the engine still gives transformers' greedy continuations, and every kernel call took q so."""
+@pytest.mark.parametrize("switch", [None, "0"], ids=["default", "off"])
+def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch, switch):
+    """JAXSPEC_ATTN_GATHER_Q (default on): the attention kernels read their query rows from q as it is and write
+    their output rows in that layout, no transposed and padded copy before each call and no un-padding slice after;
+    0 brings back the row layout. With the kernels (interpreted on the CPU) at R 2 with overlap, the engine gives
+    transformers' greedy continuations either way, and every kernel call took q as the switch says."""
     import jaxspec.pallas.paged_attention as pa
 
-    monkeypatch.setenv("JAXSPEC_ATTN_GATHER_Q", "1")
+    if switch is None:
+        monkeypatch.delenv("JAXSPEC_ATTN_GATHER_Q", raising=False)
+    else:
+        monkeypatch.setenv("JAXSPEC_ATTN_GATHER_Q", switch)
     seen = []
     real = pa.paged_attention_rows
     monkeypatch.setattr(pa, "paged_attention_rows", lambda *a, **kw: seen.append(kw.get("gather_q")) or real(*a, **kw))
@@ -250,18 +255,24 @@ def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch):
     reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
     eng.generate(reqs)
     assert [r.output_ids for r in reqs] == [o[:12] for o in outs]
-    assert seen and all(g is not None for g in seen), seen
+    assert seen and all((g is not None) == (switch is None) for g in seen), seen
 
 
-def test_fused_qkv_engine_equals_transformers_greedy(oracle, monkeypatch):
-    """JAXSPEC_FUSE_QKV=1 (an experiment, off by default): the engine stores one q/k/v stack per layer group, and at
-    R 2 with overlap, prefill, drafts and verify still give transformers' greedy continuations."""
-    monkeypatch.setenv("JAXSPEC_FUSE_QKV", "1")
+@pytest.mark.parametrize("switch", [None, "0"], ids=["default", "off"])
+def test_fused_qkv_engine_equals_transformers_greedy(oracle, monkeypatch, switch):
+    """JAXSPEC_FUSE_QKV (default on, one device): the engine stores one q/k/v stack per layer group, and at R 2 with
+    overlap, prefill, drafts and verify give transformers' greedy continuations; 0 keeps three stacks, and gives
+    them too."""
+    if switch is None:
+        monkeypatch.delenv("JAXSPEC_FUSE_QKV", raising=False)
+    else:
+        monkeypatch.setenv("JAXSPEC_FUSE_QKV", switch)
     cfg, params, acfg, aparams, prompts, outs = oracle
     eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
                  max_context=64, prefill_chunk=8, rounds_per_call=2, overlap=True)
     groups = eng.runner.weights.target["layers"].values()
-    assert any("qkv_proj" in g for g in groups) and not any("k_proj" in g for g in groups)
+    fused = any("qkv_proj" in g for g in groups)
+    assert fused == (switch is None) and any("k_proj" in g for g in groups) == (switch is not None)
     reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
     eng.generate(reqs)
     assert [r.output_ids for r in reqs] == [o[:12] for o in outs]

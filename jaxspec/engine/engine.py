@@ -80,7 +80,7 @@ class Engine:
             params = parallel.place(params, parallel.target_shardings(params, cfg, self.mesh))
             if aparams is not None:
                 aparams = parallel.place(aparams, parallel.assistant_shardings(aparams, acfg, self.mesh))
-        elif env_switch("JAXSPEC_FUSE_QKV"):  # an experiment (one device): one q/k/v stack per layer group
+        elif env_switch("JAXSPEC_FUSE_QKV") is not False:  # one device: one q/k/v stack per layer group
             params = fuse_qkv(params)
         default_kernels = jax.default_backend() != "cpu" and self.mesh is None
         self.use_kernels = default_kernels if c.use_kernels is None else c.use_kernels

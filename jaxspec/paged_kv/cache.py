@@ -112,7 +112,7 @@ def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_hea
     """`_attention_fn`'s choice called as attn(q, k, v, read, kv_start, q_lo, q_hi); on a mesh the kernel runs per
     device (`jaxspec.parallel.per_device_attention`), or the reference where the heads do not split evenly."""
     attn = _attention_fn(use_kernels, num_queries)
-    if attn is paged_attention and env_switch("JAXSPEC_ATTN_GATHER_Q"):  # an experiment: off unless set to 1
+    if attn is paged_attention and env_switch("JAXSPEC_ATTN_GATHER_Q") is not False:  # q's own layout, in and out
         kw = {**kw, "gather_q": True}
     if mesh is not None and attn is paged_attention:
         from jaxspec.parallel import per_device_attention

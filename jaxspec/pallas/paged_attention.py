@@ -64,7 +64,8 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     and sin_ref [D] follow it.
     With gather_q = (rows, NH, G), q_ref is the whole q [Bq, Tq * NH, D] in its own layout and the program
     gathers its rows r = t * G + g (query t, head h * G + g) itself: no transposed, padded copy of q before the
-    call. Padding rows (r >= rows) re-read the last row; their masks let them see no key.
+    call. Padding rows (r >= rows) re-read the last row; their masks let them see no key. With num_splits == 1
+    o_ref is then the whole output in that layout too, and the program stores its real rows there (`_store_rows`).
     """
     if rope_eps is None:
         span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs = refs
@@ -251,8 +252,8 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     per row); 1 normalises in the one kernel, more add a merge kernel.
     interpret: None runs the interpreter on CPU backends and compiles with Triton elsewhere.
     gather_q: the kernels read their query rows from q as it is and write their output rows in that layout (no
-    transposed, padded copy of q before the call, no un-padding copy after it; JAXSPEC_ATTN_GATHER_Q=1 in the
-    engine).
+    transposed, padded copy of q before the call, no un-padding copy after it; the engine's default, JAXSPEC_ATTN_GATHER_Q=0
+    turns it off).
     Returns [B, Tq, NH, D] in q.dtype.
     """
     B, Tq, NH, D = q.shape

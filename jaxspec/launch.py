@@ -89,8 +89,12 @@ def load_pair(args) -> Pair:
 
         enable_compile_cache()
     dtype = compute_dtype(args.dtype or ("fp32" if jax.default_backend() == "cpu" else "bf16"))
+    from jaxspec.model.gemma4 import stored_params
+
+    devices = getattr(args, "tensor_parallel_size", None) or 1
     if args.model == DEMO:
         cfg, params, acfg, aparams = demo_pair(dtype)
+        params = stored_params(params, devices)
         if args.assistant:
             acfg, aparams = load_assistant(args.assistant, dtype)
         return Pair(f"{DEMO} (small Gemma 4 pair with RANDOM WEIGHTS: the text is meaningless, acceptance is low)",
@@ -105,6 +109,7 @@ def load_pair(args) -> Pair:
         label = f"{DEFAULT} (Gemma 3 270M Q4_K_M GGUF, dequantised; assistant distilled by jaxspec)"
         prompts = PROMPTS
     cfg, params = load_target(model, dtype)
+    params = stored_params(params, devices)  # stored as the engine keeps them: no second copy beside its own
     acfg = aparams = None
     if assistant:
         acfg, aparams = load_assistant(assistant, dtype)

@@ -231,3 +231,21 @@ def test_fused_qkv_comparison_has_teeth():
                for g, w in params["layers"].items()}
     logits, _, _ = run_dense(cfg, gemma4.fuse_qkv(dict(params, layers=swapped)), ref["prompt_ids"])
     assert np.max(np.abs(logits - ref["logits"])) > 100 * TOL
+
+
+def test_stored_params_fuse_once_and_only_on_one_device(case, monkeypatch):
+    """gemma4.stored_params, which the loaders call: on one device one q/k/v stack (and stored weights come back as
+    they are, so an engine built on them holds the caller's arrays, not a second copy beside them); with
+    JAXSPEC_FUSE_QKV=0 three stacks; split over devices three stacks, and fused ones are a ConfigError."""
+    name, cfg, params, ref = case
+    monkeypatch.delenv("JAXSPEC_FUSE_QKV", raising=False)
+    stored = gemma4.stored_params(params)
+    assert gemma4.is_fused(stored) and not gemma4.is_fused(params)
+    again = gemma4.stored_params(stored)
+    for group, weights in stored["layers"].items():
+        assert all(again["layers"][group][n] is a for n, a in weights.items())
+    assert gemma4.stored_params(params, 2) is params
+    with pytest.raises(ConfigError, match="three projection stacks"):
+        gemma4.stored_params(stored, 2)
+    monkeypatch.setenv("JAXSPEC_FUSE_QKV", "0")
+    assert gemma4.stored_params(params) is params

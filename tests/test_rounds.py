@@ -13,6 +13,7 @@ import pytest
 
 from conftest import GREEDY, load_reference, pair, tiny_vocab_pair
 from jaxspec.engine import Engine, Request, SamplingParams
+from jaxspec.model import gemma4
 
 # unroll True: the default (JAXSPEC_UNROLL_ROUNDS unset); False: the `while` loop kept for comparisons
 ROUNDS = ([(r, o, True) for r in (1, 2, 4) for o in (False, True)] + [(16, False, True)]
@@ -273,6 +274,10 @@ def test_fused_qkv_engine_equals_transformers_greedy(oracle, monkeypatch, switch
     groups = eng.runner.weights.target["layers"].values()
     fused = any("qkv_proj" in g for g in groups)
     assert fused == (switch is None) and any("k_proj" in g for g in groups) == (switch is not None)
+    stored = gemma4.stored_params(params)  # as the loaders store them: the engine keeps these very arrays
+    held = Engine(cfg, stored, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
+                  max_context=64, prefill_chunk=8).runner.weights.target["layers"]
+    assert all(held[g][n] is a for g, w in stored["layers"].items() for n, a in w.items())
     reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
     eng.generate(reqs)
     assert [r.output_ids for r in reqs] == [o[:12] for o in outs]

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxspec.bench.common import (DTYPE, NUM_SETS, PRESET_NAMES, gib, median_us, memory_note, paged_cache, positive,
                                   print_table, profile_calls, randomize, sizes)
-from jaxspec.config import LAYER_TYPES, SLIDING, TargetConfig, bench_pair, env_switch
+from jaxspec.config import LAYER_TYPES, SLIDING, TargetConfig, bench_pair
 from jaxspec.model import gemma4
 from jaxspec.model.weights import random_target_params
 from jaxspec.paged_kv.metadata import PageTables, step_metadata
@@ -103,9 +103,7 @@ def paged_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, args):
 def run(args) -> dict:
     """One target decode step (T=1): dense cache vs paged cache (Pallas kernels), against the HBM bound."""
     cfg = bench_pair(args.preset)[0]
-    params = random_target_params(cfg, args.seed, dtype=DTYPE)
-    if env_switch("JAXSPEC_FUSE_QKV") is not False:  # the weights as the engine keeps them on one device
-        params = gemma4.fuse_qkv(params)
+    params = gemma4.stored_params(random_target_params(cfg, args.seed, dtype=DTYPE))  # as the engine keeps them
     weights = sum(a.nbytes for a in jax.tree.leaves(params))
     print(f"{args.preset}: weights {gib(weights)} in {len(jax.tree.leaves(params))} leaves")
     rng = np.random.default_rng(args.seed)

@@ -18,6 +18,7 @@ from jaxspec.bench.common import PRESET_NAMES, names_from, positive, print_table
 from jaxspec.config import AssistantConfig, ConfigError, TargetConfig, bench_pair
 from jaxspec.engine import Engine, Request, SamplingParams, freeze_heap
 from jaxspec.engine.config import DRAFT_MODES
+from jaxspec.model.gemma4 import stored_params
 from jaxspec.model.weights import random_assistant_params, random_target_params
 
 
@@ -75,6 +76,7 @@ def e2e_pair(args):
         if not (args.assistant and args.prompts):
             raise ConfigError("--model needs --assistant and --prompts (a .jsonl of prompt_ids)")
         cfg, params = load_target(args.model, dtype)
+        params = stored_params(params)  # as the engine stores them (one device): no second copy beside its own
         acfg, aparams = load_assistant(args.assistant, dtype)
         ids = [p for p, _ in read_prompts([], args.prompts, None)]
         if not ids:
@@ -83,7 +85,7 @@ def e2e_pair(args):
         return os.path.basename(os.path.normpath(args.model)), Pair(cfg, params, acfg, aparams), \
             lambda n: [ids[i % len(ids)] for i in range(n)]
     cfg, acfg = bench_pair(args.preset)
-    params = random_target_params(cfg, args.seed, dtype=dtype)
+    params = stored_params(random_target_params(cfg, args.seed, dtype=dtype))
     aparams = random_assistant_params(acfg, args.seed + 1, dtype=dtype)
     rng = np.random.default_rng(args.seed)
     return f"{args.preset} random pair", Pair(cfg, params, acfg, aparams), \

@@ -26,7 +26,7 @@ from jaxspec.engine.request import Request, request_record
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.scheduler import Scheduler
 from jaxspec.engine.stopping import Stopping
-from jaxspec.model.gemma4 import fuse_qkv
+from jaxspec.model.gemma4 import stored_params
 from jaxspec.paged_kv.cache import PagedKVCache
 from jaxspec.paged_kv.pool import swa_pages_bound_for
 
@@ -73,6 +73,7 @@ class Engine:
                                   f"{cfg.sliding_window}: the SWA pool keeps only the target's window")
         self.cfg, self.config, self.tokenizer, self.k = cfg, c, tokenizer, c.k
         self.mesh = None
+        params = stored_params(params, c.tensor_parallel_size)
         if c.tensor_parallel_size > 1:  # the target split over devices, the assistant replicated (jaxspec.parallel)
             from jaxspec import parallel
 
@@ -80,8 +81,6 @@ class Engine:
             params = parallel.place(params, parallel.target_shardings(params, cfg, self.mesh))
             if aparams is not None:
                 aparams = parallel.place(aparams, parallel.assistant_shardings(aparams, acfg, self.mesh))
-        elif env_switch("JAXSPEC_FUSE_QKV") is not False:  # one device: one q/k/v stack per layer group
-            params = fuse_qkv(params)
         default_kernels = jax.default_backend() != "cpu" and self.mesh is None
         self.use_kernels = default_kernels if c.use_kernels is None else c.use_kernels
         self.cache = self._make_cache(params["embed"].dtype)

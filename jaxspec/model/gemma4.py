@@ -12,7 +12,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxspec.config import SLIDING, TargetConfig
+from jaxspec.config import SLIDING, ConfigError, TargetConfig, env_switch
 from jaxspec.model.attention import attention
 from jaxspec.model.layers import acc_dtype, apply_rope, gated_mlp, gelu_tanh, linear, moe, rms_norm, softcap, sqrt_scale
 from jaxspec.paged_kv.cache import LayerKV, paged_attend
@@ -60,6 +60,23 @@ def fuse_qkv(params) -> dict:
         rest = {n: a for n, a in group.items() if n not in QKV_PARTS}
         groups[name] = {**rest, "qkv_proj": jnp.concatenate(parts, axis=1)}
     return {**params, "layers": groups}
+
+
+def is_fused(params) -> bool:
+    return any("qkv_proj" in group for group in params["layers"].values())
+
+
+def stored_params(params, tensor_parallel_size: int = 1) -> dict:
+    """The target's weights as the engine stores them: on one device one q/k/v stack per layer group (`fuse_qkv`,
+    unless JAXSPEC_FUSE_QKV=0), split over devices three stacks (the shardings name them). Loaders call it, so that
+    the caller's copy is the engine's and the unfused stacks are not held beside it; the engine calls it again (a
+    no-op on stored weights). ConfigError for fused weights on several devices."""
+    if tensor_parallel_size > 1:
+        if is_fused(params):
+            raise ConfigError("tensor parallelism splits q, k and v by head: it takes the three projection stacks, "
+                              "not fused ones (load the weights with JAXSPEC_FUSE_QKV=0)")
+        return params
+    return params if env_switch("JAXSPEC_FUSE_QKV") is False else fuse_qkv(params)
 
 
 def qkv(w, cfg: TargetConfig, i: int, h, positions):

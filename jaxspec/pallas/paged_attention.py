@@ -252,8 +252,8 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     per row); 1 normalises in the one kernel, more add a merge kernel.
     interpret: None runs the interpreter on CPU backends and compiles with Triton elsewhere.
     gather_q: the kernels read their query rows from q as it is and write their output rows in that layout (no
-    transposed, padded copy of q before the call, no un-padding copy after it; the engine's default, JAXSPEC_ATTN_GATHER_Q=0
-    turns it off).
+    transposed, padded copy of q before the call, no un-padding copy after it; the engine's default,
+    JAXSPEC_ATTN_GATHER_Q=0 turns it off).
     Returns [B, Tq, NH, D] in q.dtype.
     """
     B, Tq, NH, D = q.shape

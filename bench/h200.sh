@@ -30,7 +30,9 @@
 # staged again on a fresh machine, `s7-convert && s12-sweep`, `s12-same`. Next: s13-qkv (after s7-convert), the rest
 # of test_engine.py in the GPU lane (TESTS="tests/test_engine.py -k 'not greedy_equals'"), s11-alloc.
 # session 13 (issues #14, #17): the GGUF staged (tree cut), then the whole tree with .whl: `s7-convert && s14-ab`; then
-# `s14-tests` (the GPU lane of the session's kernel change and both switches) and `s14-e4b` (no GGUF).
+# `s14-tests` (the GPU lane of the session's kernel change and both switches) and `s14-e4b` (no GGUF). Next: the rest of
+# s14-e4b (the bs-16 verify, decode, propose as shipped), `RS=4 DUMP=1 TOP=80 ... s10-trace270` with the new defaults
+# (launches per round; name the q norm + RoPE concatenate fusion), the rest of test_engine.py in the GPU lane.
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u

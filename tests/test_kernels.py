@@ -160,6 +160,62 @@ def test_paged_attention_matches_reference(g, tq, d, dtype, window, cached, tuni
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("case", [1, 3], ids=["g2-tq4-swa-s3", "g4-tq4-full-s2"])
+def test_fixed_splits_match_reference(case):
+    """fixed_splits (the engine's batch-invariant mode): pieces at fixed entries of the index list and blocks at
+    multiples of block_k, not following the live span, on the poisoned pools of the mixed batch: still the
+    reference's attention."""
+    g, tq, d, dtype, window, cached, tuning = ATTENTION_CASES[case]
+    rng = np.random.default_rng(0)
+    batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
+    x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
+    got = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3,
+                          block_k=16, gather_q=True, fixed_splits=True, **tuning)
+    want = paged_attention_ref(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3)
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_array_equal(got[-1], 0.0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 40], ids=["full", "sliding"])
+def test_fixed_splits_make_a_row_independent_of_the_others(window):
+    """Batch invariance of the kernel: with kv_start 0 and fixed_splits, a query at position p gives bit for bit the
+    same output alone in a step of P = 4 positions (the rest padding, as plain decoding runs in the engine's
+    batch-invariant mode) as at place j of a verify of positions p - j .. p - j + 3 (the others real queries,
+    other key ranges). Without fixed_splits the pieces follow the step's live span and rows differ (the broken
+    variant: 3 of 60 full-layer rows, where only the span's end moves, and 60 of 60 sliding rows here, fp32, on
+    the CPU). Two pieces, as the interpreter takes by default: on the H200 the default count at this width cuts
+    the full layer's span into one-block pieces either way, and the broken variant passed there."""
+    rng = np.random.default_rng(0)
+    D, G, P, W, slots = 32, 2, 4, 256, 300
+    k = jnp.asarray(rng.standard_normal((slots, 1, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((slots, 1, D)), jnp.float32)
+    indices = jnp.asarray(rng.permutation(slots)[:W][None], jnp.int32)
+    kv_start = jnp.zeros((1,), jnp.int32)
+
+    def ranges(pos):  # q_lo, q_hi of queries at `pos` (-1: padding)
+        pos = np.asarray(pos)
+        lo = np.zeros_like(pos) if window is None else pos - window + 1
+        return jnp.asarray(lo[None], jnp.int32), jnp.asarray(pos[None], jnp.int32)
+
+    def rows_equal(fixed):
+        same = []
+        for p, j in itertools.product(range(60, 200, 7), range(1, P)):
+            q = jnp.asarray(rng.standard_normal((1, P, G, D)), jnp.float32)
+            alone = q.at[:, 1:].set(jnp.asarray(rng.standard_normal((1, P - 1, G, D)), jnp.float32))
+            lo, hi = ranges([p] + [-1] * (P - 1))
+            a = paged_attention(alone, k, v, indices, kv_start, lo, hi, block_k=16, num_splits=2,
+                                gather_q=True, fixed_splits=fixed)
+            verify = jnp.asarray(rng.standard_normal((1, P, G, D)), jnp.float32).at[:, j].set(q[:, 0])
+            b = paged_attention(verify, k, v, indices, kv_start, *ranges(np.arange(p - j, p - j + P)), block_k=16,
+                                num_splits=2, gather_q=True, fixed_splits=fixed)
+            same.append(np.array_equal(np.asarray(a[:, 0]), np.asarray(b[:, j])))
+        return same
+
+    assert all(rows_equal(True))
+    assert not all(rows_equal(False))  # the comparison has teeth
+
+
 BLOCKED_CASES = [  # g, tq, d, dtype, window, cached, block: several key blocks, queries longer than the kernel's
     (1, 1, 16, jnp.float32, None, CACHED, 8),
     (2, 4, 16, jnp.float32, WINDOW, CACHED, 4),

@@ -52,7 +52,7 @@ def _norm_rope(q, q_swap, q_norm_ref, cos, sin, eps):
 
 
 def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer: int | None, rope_eps=None,
-                      gather_q=None):
+                      gather_q=None, fixed_chunk: int | None = None):
     """Program (b, h, row_block, split): unnormalised attention of one query block over one piece of live keys
     (num_splits == 1: the normalised output, in o_ref's dtype; a row that saw no key gets 0).
 
@@ -66,6 +66,9 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     gathers its rows r = t * G + g (query t, head h * G + g) itself: no transposed, padded copy of q before the
     call. Padding rows (r >= rows) re-read the last row; their masks let them see no key. With num_splits == 1
     o_ref is then the whole output in that layout too, and the program stores its real rows there (`_store_rows`).
+    With fixed_chunk (keys, a multiple of block_k), split s walks entries [s * fixed_chunk, (s + 1) * fixed_chunk)
+    of kv_indices in blocks that start at multiples of block_k, whatever the live span: which keys a program and a
+    block hold, and so a row's sums, do not depend on the other rows of the call (batch invariance).
     """
     if rope_eps is None:
         span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs = refs
@@ -87,9 +90,13 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     first = span_ref[b, 0]
     last = span_ref[b, 1]
     kv_start = kv_start_ref[b]
-    chunk = pl.cdiv(pl.cdiv(last - first, num_splits), block_k) * block_k
-    lo = first + split * chunk
-    hi = jnp.minimum(lo + chunk, last)
+    if fixed_chunk is None:  # pieces follow the live span: few keys, many programs
+        chunk = pl.cdiv(pl.cdiv(last - first, num_splits), block_k) * block_k
+        lo = first + split * chunk
+        hi = jnp.minimum(lo + chunk, last)
+    else:  # pieces and blocks at fixed entries (kv_start 0: absolute positions); entries before `first` are masked
+        lo = jnp.maximum(split * fixed_chunk, (first // block_k) * block_k)
+        hi = jnp.minimum((split + 1) * fixed_chunk, last)
     num_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
 
     if rope_eps is not None:
@@ -231,13 +238,13 @@ def row_ranges(kv_start, q_lo, q_hi, group: int, padded_rows: int, width: int):
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "layer", "block_k", "block_q", "num_splits", "num_warps", "num_stages", "interpret",
-                     "gather_q"),
+                     "gather_q", "fixed_splits"),
 )
 def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, scale: float = 1.0,
                     layer: int | None = None,
                     block_k: int | None = None, block_q: int | None = None, num_splits: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None,
-                    gather_q: bool = False):
+                    gather_q: bool = False, fixed_splits: bool = False):
     """Attention of q over the keys listed in `kv_indices` (kernel of `paged_attention_ref`).
 
     q: [B, Tq, NH, D]; k_cache, v_cache: [num_slots, KVH, D]; NH = G * KVH; D a power of two >= 16. With `layer`,
@@ -254,6 +261,10 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     gather_q: the kernels read their query rows from q as it is and write their output rows in that layout (no
     transposed, padded copy of q before the call, no un-padding copy after it; the engine's default,
     JAXSPEC_ATTN_GATHER_Q=0 turns it off).
+    fixed_splits: the pieces are fixed ranges of kv_indices entries (width / num_splits each, in blocks at multiples
+    of block_k) instead of following the live span, so that a query row's output does not depend on the other rows
+    of the call; with kv_start 0 for every row, a row's result is then a function of its own position and keys
+    (the engine's batch-invariant mode, `EngineConfig.batch_invariant`).
     Returns [B, Tq, NH, D] in q.dtype.
     """
     B, Tq, NH, D = q.shape
@@ -273,7 +284,7 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     out = paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, scale=scale,
                                layer=layer, block_k=block_k, block_q=block_q, num_splits=num_splits,
                                num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-                               gather_q=(rows, NH, G) if gather_q else None)
+                               gather_q=(rows, NH, G) if gather_q else None, fixed_splits=fixed_splits)
     if gather_q:  # written in q's layout: no un-padding copy after the call either
         return out.reshape(B, Tq, NH, D)
     return out[:, :, :rows].reshape(B, KVH, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, NH, D)
@@ -282,7 +293,7 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
 def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, *, scale: float = 1.0,
                          layer: int | None = None, block_k: int | None = None, block_q: int | None = None,
                          num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                         interpret: bool | None = None, rope=None, gather_q=None):
+                         interpret: bool | None = None, rope=None, gather_q=None, fixed_splits: bool = False):
     """`paged_attention` on queries already in the row layout (`query_rows`, `row_ranges`): q_rows [Bq, KVH, R, D],
     row_lo / row_hi int32[B, R], span int32[B, 2], B <= Bq: the first B rows are attended (more query rows may be
     padding of their producer; those output rows are left unwritten). Returns [Bq, KVH, R, D] in q_rows.dtype
@@ -293,7 +304,8 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     in q_rows, normed and rotated in the kernel (`_norm_rope`).
     gather_q: (Tq * G, NH, G) when q_rows is the queries as they are, [Bq, Tq * NH, D] (`paged_attention`'s
     gather_q); the kernel gathers each program's rows, and the result comes back in that layout too,
-    [Bq, Tq * NH, D] (the last kernel stores each row where its query sits; padding rows store nothing)."""
+    [Bq, Tq * NH, D] (the last kernel stores each row where its query sits; padding rows store nothing).
+    fixed_splits: `paged_attention`'s."""
     if gather_q is None:
         Bq, KVH, padded_rows, D = q_rows.shape
     else:
@@ -323,8 +335,9 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
         num_splits = 2 if interpret else default_splits(B, KVH, row_blocks, width, block_k)
     num_splits = _next_pow2(num_splits)  # the merge kernel holds the splits in one power-of-two block
 
+    fixed_chunk = pl.cdiv(pl.cdiv(width, num_splits), block_k) * block_k if fixed_splits else None
     kernel = functools.partial(_attention_kernel, scale=scale, block_k=block_k, num_splits=num_splits, layer=layer,
-                               rope_eps=None if rope is None else rope[5], gather_q=gather_q)
+                               rope_eps=None if rope is None else rope[5], gather_q=gather_q, fixed_chunk=fixed_chunk)
 
     def whole(shape):  # read by slot or row index inside the kernel
         return pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))

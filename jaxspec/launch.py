@@ -45,6 +45,11 @@ def add_engine_args(p) -> None:
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="split the target over this many devices (jax.sharding; the Pallas kernels are off unless "
                         "--kernels on, which runs them per device)")
+    p.add_argument("--batch-invariant", type=int, default=0, metavar="P",
+                   help="batch-invariant decoding (default 0: off): every decode and verify step computes P positions "
+                        "a request (>= k + 1) and splits the attention at fixed positions, so greedy output with "
+                        "speculation equals plain greedy output bit for bit at the same P and --max-context, bf16 "
+                        "included; plain decoding then costs P positions a step")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not keep or reuse compiled programs in the jaxspec cache (default: <cache>/xla)")
 
@@ -141,7 +146,8 @@ def check_engine_args(args) -> None:
                             ("--tensor-parallel-size", args.tensor_parallel_size, 1),
                             ("--max-running-requests", args.max_running_requests, 1),
                             ("--kv-pages", args.kv_pages, 2),  # the dummy page and one page of a request
-                            ("--max-context", args.max_context, 1)):
+                            ("--max-context", args.max_context, 1),
+                            ("--batch-invariant", args.batch_invariant, 0)):
         if value is not None and value < lo:
             raise ConfigError(f"{name} must be >= {lo}, got {value}")
     buckets(args.draft_bs)
@@ -174,4 +180,4 @@ def build_engine(args, pair: Pair):
                   max_running=args.max_running_requests, page_size=args.page_size, num_pages=args.kv_pages,
                   max_context=args.max_context, prefill_chunk=args.prefill_chunk, use_kernels=kernels,
                   rounds_per_call=args.rounds_per_call, overlap=args.overlap == "on",
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size, batch_invariant=args.batch_invariant)

@@ -147,6 +147,11 @@ def test_goals_skip_runs_with_a_switch_set_otherwise_than_shipped(tmp_path):
     assert goals(tmp_path, d)["e2e_e4b_bs1_1k_plain_tok_s", 13]["source"] == r1
     unrolled = plain("i.json", "2026-12-02T17:00:00+00:00", 200.0, 4, "1")
     assert goals(tmp_path, d)["e2e_e4b_bs1_1k_plain_tok_s", 13]["source"] == unrolled
+    # the opt-in batch-invariant mode (off by default) is not the shipped configuration either
+    result(d, "j.json", "e2e", "2026-12-02T18:00:00+00:00", [{"bs": 1, "mode": "off", "rounds_per_call": 4,
+                                                              "decode_tokens_per_s": 250.0}],
+           "--bs 1 --batch-invariant 5", preset="E4B", batch_invariant=5)
+    assert goals(tmp_path, d)["e2e_e4b_bs1_1k_plain_tok_s", 13]["source"] == unrolled
 
 
 def test_goals_settings_from_the_command_line(tmp_path):

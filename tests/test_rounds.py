@@ -6,6 +6,7 @@ decoding of the target (draft off, one round per call, no overlap).
 """
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -15,8 +16,9 @@ from conftest import GREEDY, load_reference, pair, tiny_vocab_pair
 from jaxspec.engine import Engine, Request, SamplingParams
 from jaxspec.model import gemma4
 
-# unroll True: the default (JAXSPEC_UNROLL_ROUNDS unset); False: the `while` loop kept for comparisons
-ROUNDS = ([(r, o, True) for r in (1, 2, 4) for o in (False, True)] + [(16, False, True)]
+# unroll True: the default (JAXSPEC_UNROLL_ROUNDS unset); False: the `while` loop kept for comparisons. R 16 unrolled (a
+# 65-s compile here) is test_cuts_inside_a_round_and_a_call's, against plain greedy
+ROUNDS = ([(r, o, True) for r in (1, 2, 4) for o in (False, True)] + [(8, False, True)]
           + [(2, False, False), (4, True, False)])
 
 
@@ -281,3 +283,52 @@ def test_fused_qkv_engine_equals_transformers_greedy(oracle, monkeypatch, switch
     reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
     eng.generate(reqs)
     assert [r.output_ids for r in reqs] == [o[:12] for o in outs]
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "reference"])
+def test_batch_invariant_engine_equals_transformers_greedy(oracle, monkeypatch, kernels):
+    """batch_invariant=5 (`--batch-invariant 5`): every decode and verify step runs 5 positions a request (k + 1 = 4
+    real with k 3, 1 with the drafter off, the rest padding), every attention table starts at position 0 and spans
+    max_context (a sliding layer's window kept by the query masks alone) and the kernels split the keys at fixed
+    positions. Speculative decoding (R 2, overlap) and plain decoding each still give transformers' greedy
+    continuations (fp32), with the kernels (interpreted on the CPU) and with the reference attention."""
+    import jaxspec.engine.programs as programs
+
+    steps = []
+    real = programs.step_metadata
+    monkeypatch.setattr(programs, "step_metadata", lambda *a, **kw: steps.append((a[5], kw["invariant"]))
+                        or real(*a, **kw))
+    cfg, params, acfg, aparams, prompts, outs = oracle
+    for mode, k in (("bucketed", 3), ("off", 0)):
+        steps.clear()
+        eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=k, draft_mode=mode, buckets=(4,), max_running=4,
+                     page_size=4, max_context=64, prefill_chunk=8, rounds_per_call=2, overlap=True,
+                     use_kernels=kernels, batch_invariant=5)
+        reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
+        eng.generate(reqs)
+        assert [r.output_ids for r in reqs] == [o[:12] for o in outs], mode
+        assert set(steps) == {(8, False), (5, True)}, steps  # prefill chunks as ever; every decode step 5 positions
+
+
+def test_batch_invariant_bf16_speculative_equals_plain(tiny):
+    """The mode's promise: in bf16, greedy output with the drafter (k 3, R 2) equals plain greedy output token for
+    token at the same batch_invariant (4) and max_context: the tiny-vocabulary pair cast to bf16 (drafts often
+    accepted, so verify rows past the first decide tokens), 16 prompts, 30 new tokens, the engine's default
+    attention (the reference on the CPU, the Triton kernels on a GPU; the interpreted kernels' invariance is
+    test_kernels.py's). On the CPU the two agree without the mode as well (XLA:CPU's products do not change their
+    sums with the row count); on the H200 they do not (E4B's random pair: 0 of 64 requests equal, BENCHMARKS.md
+    session 12): there the GPU lane runs this test and `bench e2e --batch-invariant` measures the fraction."""
+    cfg, params, acfg, aparams, prompts, _ = tiny
+    bf16 = functools.partial(jax.tree.map, lambda a: a.astype(jax.numpy.bfloat16) if a.dtype == np.float32 else a)
+
+    def greedy(mode, k):
+        eng = Engine(cfg, bf16(params), acfg=acfg, aparams=bf16(aparams), k=k, draft_mode=mode, buckets=(8,),
+                     max_running=8, page_size=4, max_context=48, prefill_chunk=8, rounds_per_call=2,
+                     batch_invariant=4)
+        reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=30)) for p in prompts[:16]]
+        eng.generate(reqs)
+        return [r.output_ids for r in reqs], eng.summary(reqs)["mean_accept_length"]
+
+    (spec, accept), (plain, _) = greedy("bucketed", 3), greedy("off", 0)
+    assert spec == plain
+    assert accept > 1.2  # drafts accepted (measured 1.32): tokens decided by verify rows past the first

@@ -62,6 +62,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-at-eos", action="store_true", help="stop requests at EOS (default: exactly --new-tokens)")
     p.add_argument("--dtype", default="bf16", help="bf16 (default) or fp32 (e.g. for CPU figures)")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel devices (jaxspec.parallel)")
+    p.add_argument("--batch-invariant", type=int, default=0, metavar="P",
+                   help="every row batch-invariant at P positions a step (the engine's option; 0: off), so that "
+                        "`same_as_plain` measures what the mode guarantees")
 
 
 def e2e_pair(args):
@@ -99,7 +102,10 @@ def make_engine(pair: Pair, bs: int, mode: str, k: int, args, **options) -> Engi
         mode, options = "bucketed", {**options, "fused_draft": True}
     return Engine(pair.cfg, pair.params, acfg=pair.acfg, aparams=pair.aparams, k=k, draft_mode=mode,
                   buckets=(bs,), max_running=bs, page_size=args.page_size,
-                  max_context=args.max_context or args.prompt_len + args.new_tokens + k + 2,
+                  # batch-invariant rows share one context (the attention tables' width) whatever their k
+                  max_context=args.max_context or args.prompt_len + args.new_tokens
+                  + max(k + 1, args.batch_invariant) + 1,
+                  batch_invariant=args.batch_invariant,
                   prefill_chunk=args.chunk,
                   tensor_parallel_size=args.tp, **options)
 
@@ -141,7 +147,8 @@ def run(args) -> dict:
     checkpoint folders)."""
     label, pair, make_prompts = e2e_pair(args)
     result = {"preset": None if args.model else args.preset, "model": label, "prompt_len": args.prompt_len,
-              "new_tokens": args.new_tokens, "max_context": args.max_context, "rows": []}
+              "new_tokens": args.new_tokens, "max_context": args.max_context,
+              "batch_invariant": args.batch_invariant, "rows": []}
     rows, plain = result["rows"], {}
     for bs in args.bs:
         prompts = make_prompts(args.requests or bs)

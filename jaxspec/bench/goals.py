@@ -126,11 +126,13 @@ def switch_matters(name: str, record: dict) -> bool:
 
 def experiment(path: str, record: dict) -> bool:
     """A run that is not the shipped configuration: other XLA flags than NEUTRAL_XLA_FLAGS, an environment switch
-    set otherwise than SHIPPED_SWITCHES where it changes what ran, or a file named as an experiment (e.g. a change
-    that was measured and reverted). Goals never come from one."""
+    set otherwise than SHIPPED_SWITCHES where it changes what ran, an opt-in mode that is off by default
+    (`--batch-invariant`), or a file named as an experiment (e.g. a change that was measured and reverted). Goals
+    never come from one."""
     flags = set(str(record.get("xla_flags") or "").split())
     switches = record.get("switches") or {}
     return (bool(flags - NEUTRAL_XLA_FLAGS) or "experiment" in os.path.basename(path)
+            or bool(record.get("batch_invariant"))
             or any(SHIPPED_SWITCHES.get(name) != value and switch_matters(name, record)
                    for name, value in switches.items()))
 

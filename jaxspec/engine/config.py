@@ -9,6 +9,7 @@ from jaxspec.config import ConfigError
 from jaxspec.draft.bucketed import DEFAULT_BUCKETS
 
 DRAFT_MODES = ("bucketed", "eager", "off")
+MAX_INVARIANT_POSITIONS = 16  # a step of more positions takes the prefill's attention path (MAX_KERNEL_QUERIES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,6 +29,11 @@ class EngineConfig:
     overlap: bool = True  # launch the next decode call before reading the last one's results
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's
     tensor_parallel_size: int = 1  # devices the target is split over (`jaxspec.parallel`)
+    # 0: off. P > 0: batch-invariant decoding: every decode / verify step computes P positions a request (k + 1
+    # real, the rest padding) and the attention over keys split at fixed positions, so that a position's logits do
+    # not depend on k, on speculation being on, or on the other positions of the step: greedy output with the
+    # drafter then equals plain greedy output bit for bit with the same P (bf16 too). Costs plain decoding P rows.
+    batch_invariant: int = 0
 
     def __post_init__(self):
         if self.draft_mode not in DRAFT_MODES:
@@ -54,6 +60,12 @@ class EngineConfig:
                               "with --tensor-parallel-size > 1")
         if self.tensor_parallel_size > 1 and self.draft_mode == "eager":
             raise ConfigError("--draft-mode eager runs on one device: use bucketed with --tensor-parallel-size > 1")
+        if self.batch_invariant < 0:
+            raise ConfigError(f"batch_invariant must be 0 (off) or a number of positions >= 1, got "
+                              f"{self.batch_invariant}")
+        if self.batch_invariant and not self.k + 1 <= self.batch_invariant <= MAX_INVARIANT_POSITIONS:
+            raise ConfigError(f"--batch-invariant {self.batch_invariant} must hold the k + 1 = {self.k + 1} positions "
+                              f"of a round and be at most {MAX_INVARIANT_POSITIONS}")
         if self.draft_mode == "eager":  # the reference drafts on the host from the host's view of every request
             object.__setattr__(self, "rounds_per_call", 1)
             object.__setattr__(self, "overlap", False)

@@ -88,7 +88,8 @@ class Engine:
         eos = tuple(cfg.eos_token_ids if c.eos_token_ids is None else c.eos_token_ids)
         programs = Programs(cfg=cfg, acfg=acfg, spec=self.cache.spec, k=c.k, draft_mode=c.draft_mode,
                             use_kernels=self.use_kernels, eos=eos, fused_draft=c.fused_draft, mesh=self.mesh,
-                            unroll_rounds=env_switch("JAXSPEC_UNROLL_ROUNDS") is not False)
+                            unroll_rounds=env_switch("JAXSPEC_UNROLL_ROUNDS") is not False,
+                            invariant_positions=c.batch_invariant)
         weights = Weights(target=params, assistant=aparams if c.draft_mode == "bucketed" else None)
         self.runner = Runner(c, programs, weights, self.cache)
         self.drafter = None

@@ -97,10 +97,13 @@ class Programs:
     fused_draft: bool = False  # the drafter step through its fused kernels (with kernels, where shapes allow)
     unroll_rounds: bool = True  # R > 1: the rounds one after another in the program, not a `while` loop (below)
     mesh: object = None  # the tensor-parallel mesh (`jaxspec.parallel`): the kernels run per device
+    # > 0: batch-invariant decode (`EngineConfig.batch_invariant`): every decode / verify step computes this many
+    # positions a row (>= k + 1, the rest padding) with the attention split at fixed positions
+    invariant_positions: int = 0
 
-    def _forward(self, weights: Weights, kv, pages: PageTables, tokens, cached_len, num_new):
+    def _forward(self, weights: Weights, kv, pages: PageTables, tokens, cached_len, num_new, invariant=False):
         meta = step_metadata(self.cfg, self.spec, pages, cached_len, num_new, tokens.shape[1],
-                             use_kernels=self.use_kernels, mesh=self.mesh)
+                             use_kernels=self.use_kernels, mesh=self.mesh, invariant=invariant)
         return gemma4.paged_forward(weights.target, self.cfg, kv, meta, tokens, use_kernels=self.use_kernels,
                                     mesh=self.mesh)
 
@@ -139,8 +142,15 @@ class Programs:
             elif drafts is None:
                 drafts = jnp.zeros((B, 0), jnp.int32)
             tokens = jnp.concatenate([rows.pending_token[:, None], drafts], axis=1)  # [B, k+1]
-            hidden, kv = self._forward(weights, kv, pages, tokens, rows.cached_len, jnp.where(active, k + 1, 0))
-            logits = gemma4.logits(weights.target, self.cfg, hidden)  # [B, k+1, V]
+            P = self.invariant_positions
+            if P:  # padded to P positions: the same program shapes whatever k is (k = 0: plain decoding)
+                tokens = jnp.pad(tokens, ((0, 0), (0, P - (k + 1))))
+            hidden, kv = self._forward(weights, kv, pages, tokens, rows.cached_len, jnp.where(active, k + 1, 0),
+                                       invariant=P > 0)
+            logits = gemma4.logits(weights.target, self.cfg, hidden)  # [B, P or k+1, V]
+            if P:  # every row of the head computed (no slice pushed up into its product), then the real ones kept
+                logits = jax.lax.optimization_barrier(logits)[:, : k + 1]
+                hidden = hidden[:, : k + 1]
             if sample:
                 s = rows.sampling
                 n, committed = sampling.accept(logits, drafts, s.temperature, s.top_k, s.top_p,

@@ -108,19 +108,24 @@ def _scatter(layer, slots, stack, rows):
     return stack.at[layer, slots].set(rows, mode="drop", unique_indices=True)
 
 
-def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_heads: int, layer: int, **kw):
+def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_heads: int, layer: int, *,
+               fixed_splits: bool = False, **kw):
     """`_attention_fn`'s choice called as attn(q, k, v, read, kv_start, q_lo, q_hi); on a mesh the kernel runs per
-    device (`jaxspec.parallel.per_device_attention`), or the reference where the heads do not split evenly."""
+    device (`jaxspec.parallel.per_device_attention`), or the reference where the heads do not split evenly.
+    fixed_splits: the kernel's (the reference has no splits: its whole-width sums are fixed by the index list)."""
     attn = _attention_fn(use_kernels, num_queries)
     if attn is paged_attention and env_switch("JAXSPEC_ATTN_GATHER_Q") is not False:  # q's own layout, in and out
         kw = {**kw, "gather_q": True}
+    if attn is paged_attention and fixed_splits:
+        kw = {**kw, "fixed_splits": True}
     if mesh is not None and attn is paged_attention:
         from jaxspec.parallel import per_device_attention
 
         split = per_device_attention(mesh, functools.partial(attn, **kw), num_heads, kv_heads, layer)
         if split is not None:
             return split
-        attn = paged_attention_ref
+        attn = paged_attention_ref  # which takes none of the kernel's options
+        kw = {name: value for name, value in kw.items() if name not in ("gather_q", "fixed_splits")}
     return functools.partial(attn, layer=layer, **kw)
 
 
@@ -141,7 +146,8 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
             put = functools.partial(_scatter, layer, slots)
             kv = {**kv, t: LayerKV(k=put(stack.k, k.reshape(B * T, *k.shape[2:])),
                                    v=put(stack.v, v.reshape(B * T, *v.shape[2:])))}
-        attn = _attend_fn(use_kernels, q.shape[1], mesh, q.shape[2], kv[t].k.shape[2], layer, scale=cfg.query_scale)
+        attn = _attend_fn(use_kernels, q.shape[1], mesh, q.shape[2], kv[t].k.shape[2], layer, scale=cfg.query_scale,
+                          fixed_splits=meta.invariant)
         return attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi), kv
 
     return attend

@@ -60,6 +60,8 @@ class StepMetadata:
 
     positions: jax.Array  # i32[B, T]
     layers: dict  # {attention type: AttentionMetadata}
+    # batch-invariant attention (`step_metadata(invariant=True)`): the kernels split the keys at fixed entries
+    invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def round_width(n: int) -> int:
@@ -89,11 +91,15 @@ def _gather(use_kernels: bool, mesh):
 
 
 def step_metadata(cfg: TargetConfig, spec: CacheSpec, pages: PageTables, cached_len, num_new, num_tokens: int, *,
-                  use_kernels: bool, mesh=None) -> StepMetadata:
+                  use_kernels: bool, mesh=None, invariant: bool = False) -> StepMetadata:
     """Metadata of a target step in which row b writes positions cached_len[b] .. cached_len[b] + num_new[b] - 1.
 
     cached_len, num_new: i32[B]; rows with num_new < num_tokens are padded (num_new = 0: an empty row). mesh: the
-    tensor-parallel mesh, where the kernels run per device.
+    tensor-parallel mesh, where the kernels run per device. invariant: every layer type's index list starts at
+    position 0 and spans max_context (a sliding layer's too, its window kept by the query masks), so key i is
+    position i in every row and every step, and the kernels cut the keys at fixed entries (`paged_attention`'s
+    fixed_splits): a query's attention is then a function of its own position and keys, not of the step's other
+    rows or positions (the engine's batch-invariant mode).
     """
     T = num_tokens
     positions = cached_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -107,8 +113,8 @@ def step_metadata(cfg: TargetConfig, spec: CacheSpec, pages: PageTables, cached_
             continue
         swa = pages.swa_of_full if t == SLIDING else None
         keep = cfg.sliding_window - 1
-        kv_start = window_start(t, cached_len, keep)
-        width = round_width(spec.max_context if t == FULL else keep + T)
+        kv_start = jnp.zeros_like(cached_len) if invariant else window_start(t, cached_len, keep)
+        width = round_width(spec.max_context if t == FULL or invariant else keep + T)
         layers[t] = AttentionMetadata(
             write=gather_kv_indices_ref(pages.page_table, cached_len, end, swa, width=T, page_size=P),
             read=gather(pages.page_table, kv_start, end, swa, width=width, page_size=P),
@@ -116,7 +122,7 @@ def step_metadata(cfg: TargetConfig, spec: CacheSpec, pages: PageTables, cached_
             q_hi=jnp.where(real, positions, -1),
             q_lo=positions - cfg.sliding_window + 1 if t == SLIDING else jnp.zeros_like(positions),
         )
-    return StepMetadata(positions=positions, layers=layers)
+    return StepMetadata(positions=positions, layers=layers, invariant=invariant)
 
 
 def draft_window_width(spec: CacheSpec, layer_type: str, window: int) -> int:

@@ -33,6 +33,10 @@
 # `s14-tests` (the GPU lane of the session's kernel change and both switches) and `s14-e4b` (no GGUF). Next: the rest of
 # s14-e4b (the bs-16 verify, decode, propose as shipped), `RS=4 DUMP=1 TOP=80 ... s10-trace270` with the new defaults
 # (launches per round; name the q norm + RoPE concatenate fusion), the rest of test_engine.py in the GPU lane.
+# session 14 (issue #14): s15-inv (the batch-invariant mode's GPU lane and E4B's spec = plain at P 5, no GGUF); the GGUF
+# staged (tree cut), then the whole tree with .whl: `s7-convert && s15-ab`, s12-same (the control), propose and verify
+# as shipped. Next: s15-cost (E4B with and without --batch-invariant side by side in one call: the mode's cost),
+# `RS=4 DUMP=1 TOP=80 ... s10-trace270` with the session-13 defaults, the rest of test_engine.py in the GPU lane.
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -427,6 +431,31 @@ s14-ab)  # issue #14: JAXSPEC_FUSE_QKV x JAXSPEC_ATTN_GATHER_Q (q read and, sinc
       --new-tokens 128 --modes off,bucketed -k 4 --rounds-per-call ${RS:-4} --overlap on \
       --json "$OUT/e2e-270m-fq$fq-gq$gq.json" > "$OUT/e2e-270m-fq$fq-gq$gq.log" 2>&1
     echo "== FUSE_QKV=$fq GATHER_Q=$gq"; grep "^e2e bs\|Error" "$OUT/e2e-270m-fq$fq-gq$gq.log" | head -4; done; done ;;
+s15-inv)  # issue #14: batch-invariant decoding (--batch-invariant P): its GPU lane (the kernels' fixed splits, engine
+  # against transformers' greedy, bf16 speculative = plain), then the E4B random pair's fraction of requests whose
+  # bf16 speculative greedy output equals plain (s12-same's run, every row at P 5; session 12 without: 0 of 64)
+  timeout ${TEST_TIMEOUT:-140} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_rounds.py \
+    -k "fixed_splits or batch_invariant" > "$OUT/tests-invariant.txt" 2>&1
+  grep -E "passed|failed|Error" "$OUT/tests-invariant.txt" | tail -8
+  timeout ${SAME_TIMEOUT:-400} python3 -m jaxspec.bench e2e --bs 16 --requests 64 --prompt-len 1024 --new-tokens 64 \
+    --modes off,bucketed -k 4 --batch-invariant 5 --json "$OUT/e2e-e4b-same-inv.json" > "$OUT/e2e-e4b-same-inv.log" 2>&1
+  grep "^e2e bs\|Error" "$OUT/e2e-e4b-same-inv.log"; grep -A4 "^bs " "$OUT/e2e-e4b-same-inv.log" ;;
+s15-ab)  # issue #14: the default pair at bs 1, plain and k 4 at R 4, without and with --batch-invariant 5 side by side
+  # (the mode's cost, and spec = plain on the held-out prompts; s7-convert first)
+  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
+  for p in 0 5; do
+    timeout ${AB_TIMEOUT:-150} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$A" \
+      --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 --modes off,bucketed -k 4 \
+      --rounds-per-call ${RS:-4} --overlap on --batch-invariant $p --json "$OUT/e2e-270m-inv$p.json" \
+      > "$OUT/e2e-270m-inv$p.log" 2>&1
+    echo "== batch-invariant $p"; grep "^e2e bs\|Error" "$OUT/e2e-270m-inv$p.log" | head -4
+    grep -A4 "^bs " "$OUT/e2e-270m-inv$p.log" | head -5; done ;;
+s15-cost)  # issue #14 (next): what --batch-invariant costs E4B, side by side in one call: plain and k 4 at bs 1 and 16
+  # (1K prompts, 64 new tokens), without and with the mode (P 5); no GGUF
+  for p in 0 5; do
+    timeout ${COST_TIMEOUT:-280} python3 -m jaxspec.bench e2e --bs ${COST_BS:-1,16} --prompt-len 1024 --new-tokens 64 \
+      --modes off,bucketed -k 4 --batch-invariant $p --json "$OUT/e2e-e4b-inv$p.json" > "$OUT/e2e-e4b-inv$p.log" 2>&1
+    echo "== batch-invariant $p"; grep -A6 "^bs " "$OUT/e2e-e4b-inv$p.log" | head -7; done ;;
 s14-tests)  # issue #14's GPU lane for session 13's changes: the attention kernels against their reference (q gathered
   # and the output scattered in q's layout, Triton), the fused q/k/v stacks, both switches through the engine
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \

@@ -123,6 +123,9 @@ def build_cases(tmp):
             ("tp_zero", ["--tp", "0"], "--tensor-parallel-size must be >= 1, got 0"),
             ("tp_beyond_devices", ["--tp", "2", "--kernels", "on"], "--tensor-parallel-size 2 needs 2 devices"),
             ("kv_pages_zero", ["--kv-pages", "0"], "--kv-pages must be >= 2, got 0"),
+            ("batch_invariant_negative", ["--batch-invariant", "-1"], "--batch-invariant must be >= 0, got -1"),
+            ("batch_invariant_below_round", ["-k", "3", "--batch-invariant", "2"],
+             "--batch-invariant 2 must hold the k + 1 = 4 positions of a round"),
             ("stop_without_tokenizer", ["--stop", "w5"], "--stop needs a tokenizer")):
         case(name, run + flags + ["--output", str(old)], match, str(old))
     # model folders
@@ -216,7 +219,7 @@ CASE_NAMES = [
     "prompt_ids_negative", "prompts_not_utf8", "request_index_oov", "request_index_too_long", "stop_empty",
     "temperature_nan", "temperature_inf", "top_p_nan", "top_k_negative", "seed_negative", "seed_too_big",
     "max_context_zero", "max_context_negative", "max_context_above_model", "k_zero", "tp_zero", "tp_beyond_devices",
-    "kv_pages_zero",
+    "kv_pages_zero", "batch_invariant_negative", "batch_invariant_below_round",
     "stop_without_tokenizer", "assistant_missing", "config_is_list", "config_string_number", "config_bool_number",
     "config_not_utf8", "tensor_nan", "assistant_tensor_inf", "embed_int32", "safetensors_truncated",
     "safetensors_garbled", "index_bad_json", "index_no_weight_map", "index_shard_missing",

@@ -114,10 +114,8 @@ def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_hea
     device (`jaxspec.parallel.per_device_attention`), or the reference where the heads do not split evenly.
     fixed_splits: the kernel's (the reference has no splits: its whole-width sums are fixed by the index list)."""
     attn = _attention_fn(use_kernels, num_queries)
-    if attn is paged_attention and env_switch("JAXSPEC_ATTN_GATHER_Q") is not False:  # q's own layout, in and out
-        kw = {**kw, "gather_q": True}
-    if attn is paged_attention and fixed_splits:
-        kw = {**kw, "fixed_splits": True}
+    if attn is paged_attention:  # the kernel's options: q's own layout in and out (default), fixed key pieces
+        kw = {**kw, "gather_q": env_switch("JAXSPEC_ATTN_GATHER_Q") is not False, "fixed_splits": fixed_splits}
     if mesh is not None and attn is paged_attention:
         from jaxspec.parallel import per_device_attention
 

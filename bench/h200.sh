@@ -37,6 +37,9 @@
 # staged (tree cut), then the whole tree with .whl: `s7-convert && s15-ab`, s12-same (the control), propose and verify
 # as shipped. Next: s15-cost (E4B with and without --batch-invariant side by side in one call: the mode's cost),
 # `RS=4 DUMP=1 TOP=80 ... s10-trace270` with the session-13 defaults, the rest of test_engine.py in the GPU lane.
+# session 15 (issue #14): s16-merged (the in-kernel split merge's GPU lane, then E4B verify / decode / propose with
+# JAXSPEC_ATTN_MERGED 0 and 1 side by side, no GGUF); the GGUF staged (tree cut), then the whole tree with .whl:
+# `s7-convert && s16-ab` (the default pair, the switch 0 against 1).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -450,6 +453,37 @@ s15-ab)  # issue #14: the default pair at bs 1, plain and k 4 at R 4, without an
       > "$OUT/e2e-270m-inv$p.log" 2>&1
     echo "== batch-invariant $p"; grep "^e2e bs\|Error" "$OUT/e2e-270m-inv$p.log" | head -4
     grep -A4 "^bs " "$OUT/e2e-270m-inv$p.log" | head -5; done ;;
+s16-merged)  # issue #14: the attention's split merge inside the attention kernel (the last piece of a query block to
+  # finish merges, after an atomic count; JAXSPEC_ATTN_MERGED, default 1). PARTS (default "lane verify rest"): its GPU
+  # lane (the kernels against the reference, the count's teeth, the engine against transformers' greedy, bucketed =
+  # eager drafts; Triton), the E4B verify at bs 1 traced (launches a step), then decode and propose at bs 1, 4K; each
+  # E4B benchmark with the switch 0 and 1 side by side
+  for part in ${PARTS:-lane verify rest}; do case $part in
+  lane)
+    timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_rounds.py \
+      tests/test_drafter.py -k "matches_reference or teeth or gathering_q or batch_invariant or bucketed_equals_eager \
+      or bf16_drafts" > "$OUT/tests-merged.txt" 2>&1
+    grep -E "passed|failed|Error" "$OUT/tests-merged.txt" | tail -6 ;;
+  verify)
+    for v in 0 1; do
+      JAXSPEC_ATTN_MERGED=$v XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true \
+        timeout ${VERIFY_TIMEOUT:-100} python3 -m jaxspec.bench verify --bs 1 --profile-dir /tmp/v$v \
+        --json "$OUT/verify-m$v.json" > "$OUT/verify-m$v.log" 2>&1
+      timeout 60 python3 -m jaxspec.bench trace /tmp/v$v --rounds 20 --json "$OUT/trace-verify-m$v.json" \
+        >> "$OUT/verify-m$v.log" 2>&1
+      echo "== JAXSPEC_ATTN_MERGED=$v"; grep "^step of\|launches\|Error" "$OUT/verify-m$v.log" | head -4; done ;;
+  rest)
+    for v in 0 1; do
+      JAXSPEC_ATTN_MERGED=$v timeout ${DECODE_TIMEOUT:-90} python3 -m jaxspec.bench decode \
+        --json "$OUT/decode-m$v.json" > "$OUT/decode-m$v.log" 2>&1
+      JAXSPEC_ATTN_MERGED=$v timeout ${PROPOSE_TIMEOUT:-90} python3 -m jaxspec.bench propose --bs 1 --ctx 4096 \
+        --variants bucketed --json "$OUT/propose-m$v.json" > "$OUT/propose-m$v.log" 2>&1
+      echo "== JAXSPEC_ATTN_MERGED=$v"; grep -h "^step of\|Error" "$OUT/decode-m$v.log"
+      grep -h "^propose ctx\|Error" "$OUT/propose-m$v.log" | head -3; done ;;
+  esac; done ;;
+s16-ab)  # issue #14: JAXSPEC_ATTN_MERGED 0 against 1 (the split merge in the attention kernel), the default pair at
+  # bs 1, plain and k 4 at R 4 (s7-convert first)
+  switch_ab_270m JAXSPEC_ATTN_MERGED m ${AB_TIMEOUT:-150} ;;
 s15-cost)  # issue #14 (next): what --batch-invariant costs E4B, side by side in one call: plain and k 4 at bs 1 and 16
   # (1K prompts, 64 new tokens), without and with the mode (P 5); no GGUF
   for p in 0 5; do

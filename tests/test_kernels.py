@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from jaxspec.pallas.kv_indices import gather_kv_indices, gather_kv_indices_ref
-from jaxspec.pallas.paged_attention import paged_attention, paged_attention_blocked, paged_attention_ref, query_rows
+from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_ref, query_rows,
+                                            sem_size)
 
 # The kernel modules silence this at import, but pytest resets warning filters for each test.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -139,25 +140,61 @@ ATTENTION_CASES = [
 ]
 
 
+def merged_attention(x, batch, *, extra: int = 3, **kw):
+    """`paged_attention` with its splits merged in the kernel (`sem`, a few entries more than the call counts in, as
+    a step's shared buffer has); checks that the call hands the counts back at 0 and returns the output."""
+    B, tq, nh, d = x.q.shape
+    n = sem_size(B, tq, nh, x.k.shape[-2], d, kw.get("block_q")) + extra
+    out, sem = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi,
+                               sem=jnp.zeros((n,), jnp.int32), **kw)
+    np.testing.assert_array_equal(np.asarray(sem), 0)
+    return out
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["merge-kernel", "merged"])
 @pytest.mark.parametrize("gather_q", [False, True], ids=["q-rows", "q-gathered"])
 @pytest.mark.parametrize("g,tq,d,dtype,window,cached,tuning", ATTENTION_CASES,
                          ids=[f"g{c[0]}-tq{c[1]}-d{c[2]}-{jnp.dtype(c[3]).name}-{'swa' if c[4] else 'full'}"
                               f"-s{c[6]['num_splits']}{'-bq' if 'block_q' in c[6] else ''}" for c in ATTENTION_CASES])
-def test_paged_attention_matches_reference(g, tq, d, dtype, window, cached, tuning, gather_q):
+def test_paged_attention_matches_reference(g, tq, d, dtype, window, cached, tuning, gather_q, merged):
     """gather_q: the kernels read their query rows from q as it is (two kv heads, so rows of a kv head are not
     contiguous in q) instead of a transposed, padded copy, and write their output rows in that layout (padding rows
-    write nothing: the real rows they repeat must survive)."""
+    write nothing: the real rows they repeat must survive). merged: the last piece of each query block to finish
+    merges the splits in the attention kernel (on the GPU the pieces run concurrently and count through an atomic);
+    otherwise a second kernel does."""
     rng = np.random.default_rng(0)
     batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
     x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
-    got = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3,
-                          block_k=16, gather_q=gather_q, **tuning)
+    if merged:
+        got = merged_attention(x, batch, scale=0.3, block_k=16, gather_q=gather_q, **tuning)
+    else:
+        got = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3,
+                              block_k=16, gather_q=gather_q, **tuning)
     want = paged_attention_ref(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3)
     got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
     assert got.shape == want.shape and np.isfinite(got).all()
     np.testing.assert_array_equal(got[-1], 0.0)  # padded row: no query sees a key
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_merged_count_has_teeth():
+    """A query block whose count does not start at 0 (here at S, the pieces' number) is never merged, no piece counting
+    last, and the comparison above catches it: the in-kernel merge is what writes the output. Both blocks of the
+    2-row-block case are checked."""
+    g, tq, d, dtype, window, cached, tuning = ATTENTION_CASES[4]
+    rng = np.random.default_rng(0)
+    batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=False)
+    x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
+    want = np.asarray(paged_attention_ref(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3))
+    n, S = sem_size(*x.q.shape[:3], 2, d, tuning["block_q"]), tuning["num_splits"]
+    for block in (0, 1):  # row 0, kv head 0, query block `block`
+        out, sem = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3,
+                                   block_k=16, gather_q=True, sem=jnp.zeros((n,), jnp.int32).at[block].set(S),
+                                   **tuning)
+        assert np.asarray(sem)[block] == 2 * S and not np.asarray(sem)[np.arange(n) != block].any()
+        with pytest.raises(AssertionError):
+            np.testing.assert_allclose(np.asarray(out), want, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("case", [1, 3], ids=["g2-tq4-swa-s3", "g4-tq4-full-s2"])

@@ -19,7 +19,7 @@ from jaxspec.config import FULL, TargetConfig, env_switch
 from jaxspec.paged_kv.metadata import CacheSpec, StepMetadata
 from jaxspec.paged_kv.pool import PagePool
 from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_ref,
-                                            paged_attention_rows, query_rows, row_ranges)
+                                            paged_attention_rows, query_rows, row_ranges, sem_size)
 
 MAX_KERNEL_QUERIES = 16  # q_len above this (prefill chunks) uses the XLA path (paged_attention_blocked)
 
@@ -109,10 +109,13 @@ def _scatter(layer, slots, stack, rows):
 
 
 def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_heads: int, layer: int, *,
-               fixed_splits: bool = False, **kw):
+               fixed_splits: bool = False, sems: dict | None = None, **kw):
     """`_attention_fn`'s choice called as attn(q, k, v, read, kv_start, q_lo, q_hi); on a mesh the kernel runs per
     device (`jaxspec.parallel.per_device_attention`), or the reference where the heads do not split evenly.
-    fixed_splits: the kernel's (the reference has no splits: its whole-width sums are fixed by the index list)."""
+    fixed_splits: the kernel's (the reference has no splits: its whole-width sums are fixed by the index list).
+    sems: the calling step's count buffers ({entries: int32[entries]}, filled here): on one device the kernel merges
+    its splits itself (`paged_attention`'s sem; JAXSPEC_ATTN_MERGED=0: a second kernel merges them), every call of
+    a step passing the same zeroed buffer on."""
     attn = _attention_fn(use_kernels, num_queries)
     if attn is paged_attention:  # the kernel's options: q's own layout in and out (default), fixed key pieces
         kw = {**kw, "gather_q": env_switch("JAXSPEC_ATTN_GATHER_Q") is not False, "fixed_splits": fixed_splits}
@@ -124,12 +127,23 @@ def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_hea
             return split
         attn = paged_attention_ref  # which takes none of the kernel's options
         kw = {name: value for name, value in kw.items() if name not in ("gather_q", "fixed_splits")}
-    return functools.partial(attn, layer=layer, **kw)
+    call = functools.partial(attn, layer=layer, **kw)
+    if sems is None or attn is not paged_attention or env_switch("JAXSPEC_ATTN_MERGED") is False:
+        return call
+
+    def merged(q, k, v, read, kv_start, q_lo, q_hi):
+        n = sem_size(q.shape[0], q.shape[1], q.shape[2], k.shape[-2], q.shape[3])
+        sem = sems.pop(n, None)
+        out, sems[n] = call(q, k, v, read, kv_start, q_lo, q_hi, sem=jnp.zeros((n,), jnp.int32) if sem is None else sem)
+        return out
+
+    return merged
 
 
 def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, mesh=None):
     """An `Attend` over the paged cache: scatter the new K/V to the write slots, attend over the read window. mesh:
     the tensor-parallel mesh (`jaxspec.parallel`), where the kernels run per device."""
+    sems = {}  # the step's count buffers for the kernels' in-kernel merge (`_attend_fn`)
 
     def attend(kv, i, q, k, v):
         t, layer = cfg.kv_slot(i)
@@ -145,7 +159,7 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
             kv = {**kv, t: LayerKV(k=put(stack.k, k.reshape(B * T, *k.shape[2:])),
                                    v=put(stack.v, v.reshape(B * T, *v.shape[2:])))}
         attn = _attend_fn(use_kernels, q.shape[1], mesh, q.shape[2], kv[t].k.shape[2], layer, scale=cfg.query_scale,
-                          fixed_splits=meta.invariant)
+                          fixed_splits=meta.invariant, sems=sems)
         return attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi), kv
 
     return attend
@@ -156,11 +170,12 @@ def draft_attend(cfg: TargetConfig, layer_types, meta: dict, *, use_kernels: boo
     type. meta: {type: AttentionMetadata} (`draft_metadata`). mesh: as `paged_attend`'s (the drafter's query heads
     then split as the target's K/V heads do)."""
     store = {t: len(cfg.kv_layers[t]) - 1 for t in cfg.kv_layers if cfg.kv_layers[t]}
+    sems = {}  # shared by every step and layer of the propose (`_attend_fn`)
 
     def attend(kv, i, q, k, v):
         t = layer_types[i]
         m = meta[t]
-        attn = _attend_fn(use_kernels, q.shape[1], mesh, q.shape[2], kv[t].k.shape[2], store[t])
+        attn = _attend_fn(use_kernels, q.shape[1], mesh, q.shape[2], kv[t].k.shape[2], store[t], sems=sems)
         return attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi), kv
 
     return attend

@@ -454,7 +454,7 @@ s15-ab)  # issue #14: the default pair at bs 1, plain and k 4 at R 4, without an
     echo "== batch-invariant $p"; grep "^e2e bs\|Error" "$OUT/e2e-270m-inv$p.log" | head -4
     grep -A4 "^bs " "$OUT/e2e-270m-inv$p.log" | head -5; done ;;
 s16-merged)  # issue #14: the attention's split merge inside the attention kernel (the last piece of a query block to
-  # finish merges, after an atomic count; JAXSPEC_ATTN_MERGED, default 1). PARTS (default "lane verify rest"): its GPU
+  # finish merges, after an atomic count; JAXSPEC_ATTN_MERGED, off by default since this part ran). PARTS (default "lane verify rest"): its GPU
   # lane (the kernels against the reference, the count's teeth, the engine against transformers' greedy, bucketed =
   # eager drafts; Triton), the E4B verify at bs 1 traced (launches a step), then decode and propose at bs 1, 4K; each
   # E4B benchmark with the switch 0 and 1 side by side

@@ -113,9 +113,11 @@ def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_hea
     """`_attention_fn`'s choice called as attn(q, k, v, read, kv_start, q_lo, q_hi); on a mesh the kernel runs per
     device (`jaxspec.parallel.per_device_attention`), or the reference where the heads do not split evenly.
     fixed_splits: the kernel's (the reference has no splits: its whole-width sums are fixed by the index list).
-    sems: the calling step's count buffers ({entries: int32[entries]}, filled here): on one device the kernel merges
-    its splits itself (`paged_attention`'s sem; JAXSPEC_ATTN_MERGED=0: a second kernel merges them), every call of
-    a step passing the same zeroed buffer on."""
+    sems: the calling step's count buffers ({entries: int32[entries]}, filled here). With JAXSPEC_ATTN_MERGED=1, on
+    one device, the kernel merges its splits itself (`paged_attention`'s sem), every call of a step passing the same
+    zeroed buffer on; by default a second kernel merges them: on the H200 the merged kernel made E4B's bs-1 verify
+    step 15% slower (4.715 -> 5.412 ms, 41 launches fewer; BENCHMARKS.md session 15), its last piece reading all
+    the pieces' partials alone."""
     attn = _attention_fn(use_kernels, num_queries)
     if attn is paged_attention:  # the kernel's options: q's own layout in and out (default), fixed key pieces
         kw = {**kw, "gather_q": env_switch("JAXSPEC_ATTN_GATHER_Q") is not False, "fixed_splits": fixed_splits}
@@ -128,7 +130,7 @@ def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_hea
         attn = paged_attention_ref  # which takes none of the kernel's options
         kw = {name: value for name, value in kw.items() if name not in ("gather_q", "fixed_splits")}
     call = functools.partial(attn, layer=layer, **kw)
-    if sems is None or attn is not paged_attention or env_switch("JAXSPEC_ATTN_MERGED") is False:
+    if sems is None or attn is not paged_attention or not env_switch("JAXSPEC_ATTN_MERGED"):
         return call
 
     def merged(q, k, v, read, kv_start, q_lo, q_hi):

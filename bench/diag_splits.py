@@ -1,11 +1,14 @@
-"""Diagnosis (issues #14/#17): does the split attention's merge kernel pay for itself at the 270M pair's shapes?
+"""Diagnosis (issues #14/#17): how many pieces should a row's keys be cut into, and should the pieces be merged by a
+second kernel or inside the attention kernel (`paged_attention_rows(..., sem=...)`), at the 270M pair's shapes?
 
 One jitted program applies `paged_attention_rows` L times in a chain (each layer's output is the next one's query, so
-the launches run one after another inside one graph, as in a decode step), with num_splits 1 (one kernel a layer, no
-merge) and with the default split (two kernels a layer). Reported: µs a layer, per (width, live keys, queries).
-Shapes: head_dim 256, one kv head, four query heads (Gemma 3 270M and its drafter), one row.
+the launches run one after another inside one graph, as in a decode step), for each piece count of --splits (0: the
+default rule, `default_splits`; 1: one kernel, nothing to merge) and each merge of --merged (0: a second kernel, 1:
+in the attention kernel, the count buffer passed from layer to layer as the engine does). Reported: µs a layer per
+(width, live keys, queries), and the largest difference from the one-piece output. Shapes: head_dim 256, one kv
+head, four query heads (Gemma 3 270M and its drafter), one row.
 
-    python bench/diag_splits.py --json OUT.json
+    python bench/diag_splits.py --splits 1,2,4,8,16,0 --merged 0,1 --json OUT.json
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ from jaxspec.pallas.paged_attention import default_splits, paged_attention_rows,
 D, KVH, G = 256, 1, 4
 
 
-def chain(layers: int, num_splits):
+def chain(layers: int, num_splits, merged: bool):
     @jax.jit
     def run(q_rows, k, v, idx, kv_start, row_lo, row_hi, span):
+        sem = jnp.zeros((KVH * q_rows.shape[2],), jnp.int32) if merged else None  # >= the query blocks counted
         for _ in range(layers):
             q_rows = paged_attention_rows(q_rows, k, v, idx, kv_start, row_lo, row_hi, span, scale=D ** -0.5,
-                                          num_splits=num_splits)  # one cache for every layer: one Triton compile
+                                          num_splits=num_splits, sem=sem)  # one Triton compile for all layers
+            if merged:
+                q_rows, sem = q_rows
         return q_rows
     return run
 
@@ -67,6 +73,8 @@ def main():
     p.add_argument("--cases", type=cases, default="512:200,512:512,4096:200,4096:1024,4096:4096",
                    help="width:live pairs")
     p.add_argument("--tq", type=sizes, default="1,5", help="queries per row")
+    p.add_argument("--splits", default="1,0", help="piece counts, a column each (0: the default rule)")
+    p.add_argument("--merged", default="0", help="0: a merge kernel, 1: the merge inside the attention kernel")
     p.add_argument("--json")
     args = p.parse_args()
     rng = np.random.default_rng(0)
@@ -87,22 +95,25 @@ def main():
             inputs = (q, k, v, idx, kv_start, row_lo, row_hi, span)
             default = default_splits(1, KVH, padded // block_q, width, 64 if D <= 128 else 32)
             row = {"width": width, "live": live, "tq": tq, "layers": args.layers, "default_splits": default}
-            outs = {}
-            for name, splits in (("one_split", 1), ("default", None)):
-                run = chain(args.layers, splits)
-                outs[name] = np.asarray(run(*inputs), np.float32)
-                times = []
-                for _ in range(args.iters):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(run(*inputs))
-                    times.append(time.perf_counter() - t0)
-                row[f"{name}_us_per_layer"] = float(np.median(times)) * 1e6 / args.layers
-            row["max_abs_diff"] = float(np.max(np.abs(outs["one_split"] - outs["default"])))
+            ref = np.asarray(chain(args.layers, 1, False)(*inputs), np.float32)
+            diff = 0.0
+            for splits in [int(x) for x in args.splits.split(",")]:
+                for merged in sorted({int(x) for x in args.merged.split(",")} if splits != 1 else {0}):
+                    run = chain(args.layers, splits or None, bool(merged))
+                    diff = max(diff, float(np.max(np.abs(np.asarray(run(*inputs), np.float32) - ref))))
+                    times = []
+                    for _ in range(args.iters):
+                        t0 = time.perf_counter()
+                        jax.block_until_ready(run(*inputs))
+                        times.append(time.perf_counter() - t0)
+                    row[f"s{splits or 'default'}_{'merged' if merged else 'kernel'}_us_per_layer"] = (
+                        float(np.median(times)) * 1e6 / args.layers)
+            row["max_abs_diff"] = diff
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "python bench/diag_splits.py", "device_kind": jax.devices()[0].device_kind,
+            json.dump({"command": "python bench/diag_splits.py " + " ".join(__import__("sys").argv[1:]), "device_kind": jax.devices()[0].device_kind,
                        "jax_version": jax.__version__, "rows": rows}, f, indent=1)
 
 

@@ -39,7 +39,7 @@
 # `RS=4 DUMP=1 TOP=80 ... s10-trace270` with the session-13 defaults, the rest of test_engine.py in the GPU lane.
 # session 15 (issue #14): s16-merged (the in-kernel split merge's GPU lane, then E4B verify / decode / propose with
 # JAXSPEC_ATTN_MERGED 0 and 1 side by side, no GGUF); the GGUF staged (tree cut), then the whole tree with .whl:
-# `s7-convert && s16-ab` (the default pair, the switch 0 against 1).
+# `s7-convert && s16-ab` (the default pair, the switch 0 against 1); s16-splits (piece counts x where the merge runs).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -481,6 +481,12 @@ s16-merged)  # issue #14: the attention's split merge inside the attention kerne
       echo "== JAXSPEC_ATTN_MERGED=$v"; grep -h "^step of\|Error" "$OUT/decode-m$v.log"
       grep -h "^propose ctx\|Error" "$OUT/propose-m$v.log" | head -3; done ;;
   esac; done ;;
+s16-splits)  # issue #14: piece counts 1, 2, 4, 8 and the default rule, each with the merge kernel and with the merge
+  # in the attention kernel, on chains of 16 layers at the 270M pair's shapes (bench/diag_splits.py; no GGUF)
+  timeout ${SPLITS_TIMEOUT:-520} python3 bench/diag_splits.py --splits ${SPLITS:-1,2,4,8,0} --merged 0,1 \
+    --cases ${CASES:-512:200,512:512,4096:1024,4096:4096} --tq 1,5 --iters 100 --json "$OUT/diag-splits.json" \
+    > "$OUT/diag-splits.log" 2>&1
+  grep -v Warning "$OUT/diag-splits.log" | grep "^{\|Error" | cut -c1-400 ;;
 s16-ab)  # issue #14: JAXSPEC_ATTN_MERGED 0 against 1 (the split merge in the attention kernel), the default pair at
   # bs 1, plain and k 4 at R 4 (s7-convert first)
   switch_ab_270m JAXSPEC_ATTN_MERGED m ${AB_TIMEOUT:-150} ;;

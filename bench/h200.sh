@@ -482,9 +482,11 @@ s16-merged)  # issue #14: the attention's split merge inside the attention kerne
       grep -h "^propose ctx\|Error" "$OUT/propose-m$v.log" | head -3; done ;;
   esac; done ;;
 s16-splits)  # issue #14: piece counts 1, 2, 4, 8 and the default rule, each with the merge kernel and with the merge
-  # in the attention kernel, on chains of 16 layers at the 270M pair's shapes (bench/diag_splits.py; no GGUF)
+  # in the attention kernel, and 2, 4, default with 64-key blocks, on chains of 16 layers at the 270M pair's shapes
+  # (bench/diag_splits.py; no GGUF)
   timeout ${SPLITS_TIMEOUT:-520} python3 bench/diag_splits.py --splits ${SPLITS:-1,2,4,8,0} --merged 0,1 \
-    --cases ${CASES:-512:200,512:512,4096:1024,4096:4096} --tq 1,5 --iters 100 --json "$OUT/diag-splits.json" \
+    --wide-splits ${WIDE:-2,4,0} --cases ${CASES:-512:200,512:512,4096:1024} --tq 1,5 --iters 100 \
+    --json "$OUT/diag-splits.json" \
     > "$OUT/diag-splits.log" 2>&1
   grep -v Warning "$OUT/diag-splits.log" | grep "^{\|Error" | cut -c1-400 ;;
 s16-ab)  # issue #14: JAXSPEC_ATTN_MERGED 0 against 1 (the split merge in the attention kernel), the default pair at

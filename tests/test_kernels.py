@@ -151,8 +151,8 @@ def merged_attention(x, batch, *, extra: int = 3, **kw):
     return out
 
 
-@pytest.mark.parametrize("merged", [False, True], ids=["merge-kernel", "merged"])
-@pytest.mark.parametrize("gather_q", [False, True], ids=["q-rows", "q-gathered"])
+@pytest.mark.parametrize("gather_q,merged", [(False, False), (True, False), (True, True)],
+                         ids=["q-rows", "q-gathered", "q-gathered-merged"])
 @pytest.mark.parametrize("g,tq,d,dtype,window,cached,tuning", ATTENTION_CASES,
                          ids=[f"g{c[0]}-tq{c[1]}-d{c[2]}-{jnp.dtype(c[3]).name}-{'swa' if c[4] else 'full'}"
                               f"-s{c[6]['num_splits']}{'-bq' if 'block_q' in c[6] else ''}" for c in ATTENTION_CASES])
@@ -160,8 +160,8 @@ def test_paged_attention_matches_reference(g, tq, d, dtype, window, cached, tuni
     """gather_q: the kernels read their query rows from q as it is (two kv heads, so rows of a kv head are not
     contiguous in q) instead of a transposed, padded copy, and write their output rows in that layout (padding rows
     write nothing: the real rows they repeat must survive). merged: the last piece of each query block to finish
-    merges the splits in the attention kernel (on the GPU the pieces run concurrently and count through an atomic);
-    otherwise a second kernel does."""
+    merges the splits in the attention kernel (on the GPU the pieces run concurrently and count through an atomic;
+    JAXSPEC_ATTN_MERGED=1, q gathered as the engine reads it); otherwise a second kernel does."""
     rng = np.random.default_rng(0)
     batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
     x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
@@ -181,12 +181,15 @@ def test_paged_attention_matches_reference(g, tq, d, dtype, window, cached, tuni
 def test_merged_count_has_teeth():
     """A query block whose count does not start at 0 (here at S, the pieces' number) is never merged, no piece counting
     last, and the comparison above catches it: the in-kernel merge is what writes the output. Both blocks of the
-    2-row-block case are checked."""
+    2-row-block case are checked, after the same case merged correctly in the row layout (q not gathered)."""
     g, tq, d, dtype, window, cached, tuning = ATTENTION_CASES[4]
     rng = np.random.default_rng(0)
     batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=False)
     x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
     want = np.asarray(paged_attention_ref(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3))
+    # the merge writing the row layout (q not gathered) is right too, and the counts come back 0
+    got = merged_attention(x, batch, scale=0.3, block_k=16, gather_q=False, **tuning)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     n, S = sem_size(*x.q.shape[:3], 2, d, tuning["block_q"]), tuning["num_splits"]
     for block in (0, 1):  # row 0, kv head 0, query block `block`
         out, sem = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3,

@@ -26,13 +26,14 @@ from jaxspec.pallas.paged_attention import default_splits, paged_attention_rows,
 D, KVH, G = 256, 1, 4
 
 
-def chain(layers: int, num_splits, merged: bool, block_k: int | None = None):
+def chain(layers: int, num_splits, merged: bool, block_k: int | None = None, prefetch: bool = False):
     @jax.jit
     def run(q_rows, k, v, idx, kv_start, row_lo, row_hi, span):
         sem = jnp.zeros((KVH * q_rows.shape[2],), jnp.int32) if merged else None  # >= the query blocks counted
         for _ in range(layers):
             q_rows = paged_attention_rows(q_rows, k, v, idx, kv_start, row_lo, row_hi, span, scale=D ** -0.5,
-                                          num_splits=num_splits, sem=sem, block_k=block_k)  # one compile
+                                          num_splits=num_splits, sem=sem, block_k=block_k,
+                                          prefetch=prefetch)  # one Triton compile for every layer
             if merged:
                 q_rows, sem = q_rows
         return q_rows
@@ -75,6 +76,8 @@ def main():
     p.add_argument("--tq", type=sizes, default="1,5", help="queries per row")
     p.add_argument("--splits", default="1,0", help="piece counts, a column each (0: the default rule)")
     p.add_argument("--merged", default="0", help="0: a merge kernel, 1: the merge inside the attention kernel")
+    p.add_argument("--prefetch-splits", default="", help="piece counts also run with the key walk pipelined "
+                   "(`paged_attention`'s prefetch), with the merge kernel")
     p.add_argument("--wide-splits", default="", help="piece counts also run with 64-key blocks (the default for "
                    "head_dim 256 is 32), with the merge kernel")
     p.add_argument("--json")
@@ -110,15 +113,17 @@ def main():
                         times.append(time.perf_counter() - t0)
                     row[f"s{splits or 'default'}_{'merged' if merged else 'kernel'}_us_per_layer"] = (
                         float(np.median(times)) * 1e6 / args.layers)
-            for splits in [int(x) for x in args.wide_splits.split(",") if x]:
-                run = chain(args.layers, splits or None, False, block_k=64)
+            extra = [(int(x), dict(block_k=64), "bk64") for x in args.wide_splits.split(",") if x]
+            extra += [(int(x), dict(prefetch=True), "prefetch") for x in args.prefetch_splits.split(",") if x]
+            for splits, kw, tag in extra:
+                run = chain(args.layers, splits or None, False, **kw)
                 diff = max(diff, float(np.max(np.abs(np.asarray(run(*inputs), np.float32) - ref))))
                 times = []
                 for _ in range(args.iters):
                     t0 = time.perf_counter()
                     jax.block_until_ready(run(*inputs))
                     times.append(time.perf_counter() - t0)
-                row[f"s{splits or 'default'}_bk64_kernel_us_per_layer"] = float(np.median(times)) * 1e6 / args.layers
+                row[f"s{splits or 'default'}_{tag}_kernel_us_per_layer"] = float(np.median(times)) * 1e6 / args.layers
             row["max_abs_diff"] = diff
             rows.append(row)
             print(json.dumps(row), flush=True)

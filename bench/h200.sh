@@ -40,6 +40,8 @@
 # session 15 (issue #14): s16-merged (the in-kernel split merge's GPU lane, then E4B verify / decode / propose with
 # JAXSPEC_ATTN_MERGED 0 and 1 side by side, no GGUF); the GGUF staged (tree cut), then the whole tree with .whl:
 # `s7-convert && s16-ab` (the default pair, the switch 0 against 1); s16-splits (piece counts x where the merge runs).
+# Next: s17-prefetch (the pipelined key walk: GPU lane, diagnosis, E4B verify and decode; no GGUF), then the GPU lane's
+# rest of test_engine.py (TESTS="tests/test_engine.py -k 'not greedy_equals'" TEST_TIMEOUT=480 ... s6-tests).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -489,6 +491,23 @@ s16-splits)  # issue #14: piece counts 1, 2, 4, 8 and the default rule, each wit
     --json "$OUT/diag-splits.json" \
     > "$OUT/diag-splits.log" 2>&1
   grep -v Warning "$OUT/diag-splits.log" | grep "^{\|Error" | cut -c1-400 ;;
+s17-prefetch)  # issue #14 (next): the attention's key walk pipelined by hand (JAXSPEC_ATTN_PREFETCH, off by default,
+  # not yet measured): its GPU lane (the kernel against the reference, the engine against transformers' greedy), the
+  # diagnosis at 1, 2, 4 pieces and the default rule with and without it, then E4B's verify (bs 1) and decode, the
+  # switch 0 and 1 side by side (no GGUF)
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_rounds.py \
+    -k "prefetch or gathering_q" > "$OUT/tests-prefetch.txt" 2>&1
+  grep -E "passed|failed|Error" "$OUT/tests-prefetch.txt" | tail -4
+  timeout ${SPLITS_TIMEOUT:-200} python3 bench/diag_splits.py --splits 1,2,4,0 --prefetch-splits 1,2,4,0 \
+    --cases ${CASES:-512:200,4096:1024,512:512} --tq 1,5 --iters 100 --json "$OUT/diag-prefetch.json" \
+    > "$OUT/diag-prefetch.log" 2>&1
+  grep "^{\|Error" "$OUT/diag-prefetch.log" | cut -c1-400
+  for v in 0 1; do
+    JAXSPEC_ATTN_PREFETCH=$v timeout ${VERIFY_TIMEOUT:-100} python3 -m jaxspec.bench verify --bs 1 \
+      --json "$OUT/verify-pf$v.json" > "$OUT/verify-pf$v.log" 2>&1
+    JAXSPEC_ATTN_PREFETCH=$v timeout ${DECODE_TIMEOUT:-120} python3 -m jaxspec.bench decode \
+      --json "$OUT/decode-pf$v.json" > "$OUT/decode-pf$v.log" 2>&1
+    echo "== JAXSPEC_ATTN_PREFETCH=$v"; grep -h "^step of\|Error" "$OUT/verify-pf$v.log" "$OUT/decode-pf$v.log"; done ;;
 s16-ab)  # issue #14: JAXSPEC_ATTN_MERGED 0 against 1 (the split merge in the attention kernel), the default pair at
   # bs 1, plain and k 4 at R 4 (s7-convert first)
   switch_ab_270m JAXSPEC_ATTN_MERGED m ${AB_TIMEOUT:-150} ;;

@@ -178,6 +178,25 @@ def test_paged_attention_matches_reference(g, tq, d, dtype, window, cached, tuni
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("case", [0, 1, 4, 5], ids=["g1-tq1-full-s1", "g2-tq4-swa-s3", "g8-tq4-full-s2-bq",
+                                                 "g2-tq4-d256-bf16-swa-s2"])
+def test_prefetch_matches_reference(case):
+    """prefetch (JAXSPEC_ATTN_PREFETCH): the key walk pipelined by hand (block j + 1's rows gathered and block
+    j + 2's slots read while block j is computed), over pieces of up to four 16-key blocks (one piece: the whole
+    walk in one program), on the poisoned pools: the blocks read past a piece's end are never used."""
+    g, tq, d, dtype, window, cached, tuning = ATTENTION_CASES[case]
+    rng = np.random.default_rng(0)
+    batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
+    x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
+    got = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3,
+                          block_k=16, gather_q=True, prefetch=True, **tuning)
+    want = paged_attention_ref(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3)
+    got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+    np.testing.assert_array_equal(got[-1], 0.0)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
 def test_merged_count_has_teeth():
     """A query block whose count does not start at 0 (here at S, the pieces' number) is never merged, no piece counting
     last, and the comparison above catches it: the in-kernel merge is what writes the output. Both blocks of the
@@ -356,6 +375,12 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
         padded = query_rows(tq, g, d)[1] > tq * g
         copies = ("stablehlo.transpose" in text, "stablehlo.slice" in text)
         assert copies == ((False, False) if gather_q else (True, padded)), (B, tq, kvh, g, d, gather_q)
+    # the pipelined key walk and the in-kernel merge lower too (one kernel: nothing left to merge after it)
+    text = lower(lambda *a: paged_attention(*a[:-1], interpret=False, gather_q=True, prefetch=True, sem=a[-1]),
+                 spec((8, 1, 8, 256), jnp.bfloat16), spec((4096, 2, 256), jnp.bfloat16),
+                 spec((4096, 2, 256), jnp.bfloat16), spec((8, 1056), jnp.int32), spec((8,), jnp.int32),
+                 spec((8, 1), jnp.int32), spec((8, 1), jnp.int32), spec((16,), jnp.int32))
+    assert text.count("__gpu$xla.gpu.triton") == 1
     for swa in (None, spec((4096,), jnp.int32)):
         text = lower(
             lambda t, s, e, m: gather_kv_indices(t, s, e, m, width=131072, page_size=16, interpret=False),

@@ -242,28 +242,30 @@ def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch, swit
     """JAXSPEC_ATTN_GATHER_Q (default on): the attention kernels read their query rows from q as it is and write
     their output rows in that layout, no transposed and padded copy before each call and no un-padding slice after;
     0 brings back the row layout. With the kernels (interpreted on the CPU) at R 2 with overlap, the engine gives
-    transformers' greedy continuations either way, and every kernel call took q as the switch says. merged:
-    JAXSPEC_ATTN_MERGED=1 (off by default), every kernel call merges its splits itself, counting in the buffer its
-    step passes from call to call (a buffer handed on with counts left in it fails this test)."""
+    transformers' greedy continuations either way, and every kernel call took q as the switch says. merged: the two
+    experimental kernel switches on (both off by default): JAXSPEC_ATTN_MERGED=1, every kernel call merges its splits
+    itself, counting in the buffer its step passes from call to call (a buffer handed on with counts left in it
+    fails this test), and JAXSPEC_ATTN_PREFETCH=1, every call walks its keys pipelined."""
     import jaxspec.pallas.paged_attention as pa
 
     monkeypatch.delenv("JAXSPEC_ATTN_GATHER_Q", raising=False)
     monkeypatch.setenv("JAXSPEC_ATTN_MERGED", "1" if switch == "merged" else "0")
+    monkeypatch.setenv("JAXSPEC_ATTN_PREFETCH", "1" if switch == "merged" else "0")
     if switch == "0":
         monkeypatch.setenv("JAXSPEC_ATTN_GATHER_Q", switch)
     seen = []
     real = pa.paged_attention_rows
     # blocks of 16 keys, so that both pieces of a row (the interpreter's two) hold keys at these short contexts
-    monkeypatch.setattr(pa, "paged_attention_rows", lambda *a, **kw: seen.append((kw.get("gather_q"), kw.get("sem")))
-                        or real(*a, **{**kw, "block_k": 16}))
+    monkeypatch.setattr(pa, "paged_attention_rows", lambda *a, **kw: seen.append(
+        (kw.get("gather_q"), kw.get("sem"), kw.get("prefetch"))) or real(*a, **{**kw, "block_k": 16}))
     cfg, params, acfg, aparams, prompts, outs = oracle
     eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
                  max_context=64, prefill_chunk=8, rounds_per_call=2, overlap=True, use_kernels=True)
     reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
     eng.generate(reqs)
     assert [r.output_ids for r in reqs] == [o[:12] for o in outs]
-    assert seen and all((g is not None) == (switch != "0") for g, _ in seen), seen
-    assert all((sem is not None) == (switch == "merged") for _, sem in seen)
+    assert seen and all((g is not None) == (switch != "0") for g, _, _ in seen), seen
+    assert all((sem is not None) == prefetch == (switch == "merged") for _, sem, prefetch in seen)
 
 
 @pytest.mark.parametrize("switch", [None, "0"], ids=["default", "off"])

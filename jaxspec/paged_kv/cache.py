@@ -117,10 +117,12 @@ def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_hea
     one device, the kernel merges its splits itself (`paged_attention`'s sem), every call of a step passing the same
     zeroed buffer on; by default a second kernel merges them: on the H200 the merged kernel made E4B's bs-1 verify
     step 15% slower (4.715 -> 5.412 ms, 41 launches fewer; BENCHMARKS.md session 15), its last piece reading all
-    the pieces' partials alone."""
+    the pieces' partials alone. JAXSPEC_ATTN_PREFETCH=1 (off by default, not yet measured): the kernel's key walk
+    software-pipelined (`paged_attention`'s prefetch)."""
     attn = _attention_fn(use_kernels, num_queries)
     if attn is paged_attention:  # the kernel's options: q's own layout in and out (default), fixed key pieces
-        kw = {**kw, "gather_q": env_switch("JAXSPEC_ATTN_GATHER_Q") is not False, "fixed_splits": fixed_splits}
+        kw = {**kw, "gather_q": env_switch("JAXSPEC_ATTN_GATHER_Q") is not False, "fixed_splits": fixed_splits,
+              "prefetch": bool(env_switch("JAXSPEC_ATTN_PREFETCH"))}
     if mesh is not None and attn is paged_attention:
         from jaxspec.parallel import per_device_attention
 
@@ -128,7 +130,7 @@ def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_hea
         if split is not None:
             return split
         attn = paged_attention_ref  # which takes none of the kernel's options
-        kw = {name: value for name, value in kw.items() if name not in ("gather_q", "fixed_splits")}
+        kw = {name: value for name, value in kw.items() if name not in ("gather_q", "fixed_splits", "prefetch")}
     call = functools.partial(attn, layer=layer, **kw)
     if sems is None or attn is not paged_attention or not env_switch("JAXSPEC_ATTN_MERGED"):
         return call

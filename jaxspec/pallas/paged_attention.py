@@ -64,7 +64,7 @@ def _piece(split, first, last, *, num_splits: int, block_k: int, fixed_chunk: in
 
 def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer: int | None, rope_eps=None,
                       gather_q=None, fixed_chunk: int | None = None, merge_rows: int | None = None,
-                      interpret: bool = False):
+                      interpret: bool = False, prefetch: bool = False):
     """Program (b, h, row_block, split): unnormalised attention of one query block over one piece of live keys
     (num_splits == 1: the normalised output, in o_ref's dtype; a row that saw no key gets 0).
 
@@ -86,6 +86,9 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     and counts itself done in sem_ref[query block] (an atomic add, after a barrier that orders its stores); the
     program that counts last merges all S partials (`_merge_in_kernel`), writes the output and sets the count back to
     0. refs then end: sem_in (aliased to sem_ref, unread), o_ref, po_ref, pm_ref, pl_ref, sem_ref.
+    With prefetch the key walk is software-pipelined by hand: while block j's scores and values are computed, the K/V
+    rows of block j + 1 are already being gathered (their slots read one block earlier) and the slots of block j + 2
+    read, so a block's dependent loads (index, then rows) are off the walk's critical path.
     """
     if merge_rows is not None:  # the merged outputs; sem_in is the aliased input of sem_ref
         *refs, _sem_in, o_ref, po_ref, pm_ref, pl_ref, sem_ref = refs
@@ -120,21 +123,25 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     row_lo = row_lo_ref[...][:, None]  # [block_q, 1]
     row_hi = row_hi_ref[...][:, None]
 
-    def body(j, carry):
-        acc, m_prev, l_prev = carry
+    def keys(j):  # block j's entries: the masks (no loads), and the slots of the keys some query sees
         i = lo + j * block_k + lax.iota(jnp.int32, block_k)  # [block_k] entries of kv_indices
-        in_piece = i < hi
         pos = (kv_start + i)[None, :]
-        valid = (pos >= row_lo) & (pos <= row_hi) & in_piece[None, :]  # [block_q, block_k]
+        valid = (pos >= row_lo) & (pos <= row_hi) & (i < hi)[None, :]  # [block_q, block_k]
         key_live = jnp.max(valid.astype(jnp.int32), axis=0) > 0  # [block_k]: some query sees the key
+        return i, valid, key_live
+
+    def slots_of(j):
         # Entries no query sees are never dereferenced (they may be unwritten); slot 0 is always in bounds.
-        slots = jnp.where(key_live, kv_indices_ref[b, jnp.minimum(i, width - 1)], 0)
+        i, _, key_live = keys(j)
+        return jnp.where(key_live, kv_indices_ref[b, jnp.minimum(i, width - 1)], 0)
+
+    def rows_of(slots):
         if layer is None:
-            k = k_ref[slots, h, :]  # [block_k, D]
-            v = v_ref[slots, h, :]
-        else:
-            k = k_ref[layer, slots, h, :]
-            v = v_ref[layer, slots, h, :]
+            return k_ref[slots, h, :], v_ref[slots, h, :]  # [block_k, D] each
+        return k_ref[layer, slots, h, :], v_ref[layer, slots, h, :]
+
+    def attend(j, k, v, acc, m_prev, l_prev):
+        _, valid, key_live = keys(j)
         v = jnp.where(key_live[:, None], v, jnp.zeros((), v.dtype))  # 0 * NaN would leak through P.V
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                             preferred_element_type=jnp.float32) * scale
@@ -148,12 +155,24 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
                              preferred_element_type=jnp.float32)
         return correction[:, None] * acc + pv, m_next, l_next
 
+    def body(j, carry):
+        return attend(j, *rows_of(slots_of(j)), *carry)
+
+    def pipelined(j, carry):  # block j's rows arrived during block j - 1; j + 1's are gathered, j + 2's slots read
+        acc, m_prev, l_prev, k, v, slots_next = carry
+        k_next, v_next = rows_of(slots_next)
+        slots_after = slots_of(j + 2)
+        return (*attend(j, k, v, acc, m_prev, l_prev), k_next, v_next, slots_after)
+
     init = (
         jnp.zeros((block_q, head_dim), jnp.float32),
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    acc, m, l = lax.fori_loop(0, num_blocks, body, init)
+    if prefetch:  # past the piece's end the slots are 0 (always in bounds): at most two blocks read for nothing
+        acc, m, l, *_ = lax.fori_loop(0, num_blocks, pipelined, (*init, *rows_of(slots_of(0)), slots_of(1)))
+    else:
+        acc, m, l = lax.fori_loop(0, num_blocks, body, init)
     if merge_rows is not None:
         _merge_in_kernel(acc, m, l, o_ref, po_ref, pm_ref, pl_ref, sem_ref, piece, b=b, h=h, split=split,
                          num_splits=num_splits, rows=merge_rows, gather_q=gather_q, interpret=interpret)
@@ -301,14 +320,14 @@ def row_ranges(kv_start, q_lo, q_hi, group: int, padded_rows: int, width: int):
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "layer", "block_k", "block_q", "num_splits", "num_warps", "num_stages", "interpret",
-                     "gather_q", "fixed_splits"),
+                     "gather_q", "fixed_splits", "prefetch"),
     donate_argnames=("sem",),
 )
 def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, scale: float = 1.0,
                     layer: int | None = None,
                     block_k: int | None = None, block_q: int | None = None, num_splits: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None,
-                    gather_q: bool = False, fixed_splits: bool = False, sem=None):
+                    gather_q: bool = False, fixed_splits: bool = False, sem=None, prefetch: bool = False):
     """Attention of q over the keys listed in `kv_indices` (kernel of `paged_attention_ref`).
 
     q: [B, Tq, NH, D]; k_cache, v_cache: [num_slots, KVH, D]; NH = G * KVH; D a power of two >= 16. With `layer`,
@@ -333,6 +352,8 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     program of each query block to finish (an atomic count in sem, which that program sets back to 0): one launch
     instead of two. The call then returns (out, sem), sem all zeros again, for the next call to take (callers chain
     one buffer through the layers of a step: one zeroing a program).
+    prefetch: each program walks its keys software-pipelined (block j + 1's K/V rows gathered, block j + 2's slots
+    read while block j is computed; `_attention_kernel`); the same result (JAXSPEC_ATTN_PREFETCH=1 in the engine).
     Returns [B, Tq, NH, D] in q.dtype.
     """
     B, Tq, NH, D = q.shape
@@ -352,7 +373,8 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     out = paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, scale=scale,
                                layer=layer, block_k=block_k, block_q=block_q, num_splits=num_splits,
                                num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-                               gather_q=(rows, NH, G) if gather_q else None, fixed_splits=fixed_splits, sem=sem)
+                               gather_q=(rows, NH, G) if gather_q else None, fixed_splits=fixed_splits, sem=sem,
+                               prefetch=prefetch)
     if sem is not None:
         out, sem = out
     if gather_q:  # written in q's layout: no un-padding copy after the call either
@@ -373,7 +395,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
                          layer: int | None = None, block_k: int | None = None, block_q: int | None = None,
                          num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                          interpret: bool | None = None, rope=None, gather_q=None, fixed_splits: bool = False,
-                         sem=None):
+                         sem=None, prefetch: bool = False):
     """`paged_attention` on queries already in the row layout (`query_rows`, `row_ranges`): q_rows [Bq, KVH, R, D],
     row_lo / row_hi int32[B, R], span int32[B, 2], B <= Bq: the first B rows are attended (more query rows may be
     padding of their producer; those output rows are left unwritten). Returns [Bq, KVH, R, D] in q_rows.dtype
@@ -385,7 +407,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     gather_q: (Tq * G, NH, G) when q_rows is the queries as they are, [Bq, Tq * NH, D] (`paged_attention`'s
     gather_q); the kernel gathers each program's rows, and the result comes back in that layout too,
     [Bq, Tq * NH, D] (the last kernel stores each row where its query sits; padding rows store nothing).
-    fixed_splits, sem: `paged_attention`'s (with sem: returns (out, sem))."""
+    fixed_splits, sem, prefetch: `paged_attention`'s (with sem: returns (out, sem))."""
     if gather_q is None:
         Bq, KVH, padded_rows, D = q_rows.shape
     else:
@@ -422,7 +444,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     kernel = functools.partial(_attention_kernel, scale=scale, block_k=block_k, num_splits=num_splits, layer=layer,
                                rope_eps=None if rope is None else rope[5], gather_q=gather_q, fixed_chunk=fixed_chunk,
                                merge_rows=(gather_q[0] if gather_q else padded_rows) if merged else None,
-                               interpret=interpret)
+                               interpret=interpret, prefetch=prefetch)
 
     def whole(shape):  # read by slot or row index inside the kernel
         return pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import jax
@@ -26,7 +27,17 @@ from jaxspec.pallas.paged_attention import default_splits, paged_attention_rows,
 D, KVH, G = 256, 1, 4
 
 
-def chain(layers: int, num_splits, merged: bool, block_k: int | None = None, prefetch: bool = False):
+def median_us(run, inputs, iters: int) -> float:
+    """Median wall time of a call in µs, the result waited for."""
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(*inputs))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e6
+
+
+def chain(layers: int, num_splits, merged: bool = False, block_k: int | None = None, prefetch: bool = False):
     @jax.jit
     def run(q_rows, k, v, idx, kv_start, row_lo, row_hi, span):
         sem = jnp.zeros((KVH * q_rows.shape[2],), jnp.int32) if merged else None  # >= the query blocks counted
@@ -100,36 +111,23 @@ def main():
             inputs = (q, k, v, idx, kv_start, row_lo, row_hi, span)
             default = default_splits(1, KVH, padded // block_q, width, 64 if D <= 128 else 32)
             row = {"width": width, "live": live, "tq": tq, "layers": args.layers, "default_splits": default}
-            ref = np.asarray(chain(args.layers, 1, False)(*inputs), np.float32)
+            ref = np.asarray(chain(args.layers, 1)(*inputs), np.float32)
+            variants = [(int(x), dict(merged=bool(m)), "merged" if m else "kernel") for x in args.splits.split(",")
+                        for m in (sorted({int(m) for m in args.merged.split(",")}) if x != "1" else [0])]
+            variants += [(int(x), dict(block_k=64), "bk64_kernel") for x in args.wide_splits.split(",") if x]
+            variants += [(int(x), dict(prefetch=True), "prefetch_kernel") for x in args.prefetch_splits.split(",") if x]
             diff = 0.0
-            for splits in [int(x) for x in args.splits.split(",")]:
-                for merged in sorted({int(x) for x in args.merged.split(",")} if splits != 1 else {0}):
-                    run = chain(args.layers, splits or None, bool(merged))
-                    diff = max(diff, float(np.max(np.abs(np.asarray(run(*inputs), np.float32) - ref))))
-                    times = []
-                    for _ in range(args.iters):
-                        t0 = time.perf_counter()
-                        jax.block_until_ready(run(*inputs))
-                        times.append(time.perf_counter() - t0)
-                    row[f"s{splits or 'default'}_{'merged' if merged else 'kernel'}_us_per_layer"] = (
-                        float(np.median(times)) * 1e6 / args.layers)
-            extra = [(int(x), dict(block_k=64), "bk64") for x in args.wide_splits.split(",") if x]
-            extra += [(int(x), dict(prefetch=True), "prefetch") for x in args.prefetch_splits.split(",") if x]
-            for splits, kw, tag in extra:
-                run = chain(args.layers, splits or None, False, **kw)
+            for splits, kw, tag in variants:
+                run = chain(args.layers, splits or None, **kw)
                 diff = max(diff, float(np.max(np.abs(np.asarray(run(*inputs), np.float32) - ref))))
-                times = []
-                for _ in range(args.iters):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(run(*inputs))
-                    times.append(time.perf_counter() - t0)
-                row[f"s{splits or 'default'}_{tag}_kernel_us_per_layer"] = float(np.median(times)) * 1e6 / args.layers
+                row[f"s{splits or 'default'}_{tag}_us_per_layer"] = median_us(run, inputs, args.iters) / args.layers
             row["max_abs_diff"] = diff
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "python bench/diag_splits.py " + " ".join(__import__("sys").argv[1:]), "device_kind": jax.devices()[0].device_kind,
+            json.dump({"command": "python bench/diag_splits.py " + " ".join(sys.argv[1:]),
+                       "device_kind": jax.devices()[0].device_kind,
                        "jax_version": jax.__version__, "rows": rows}, f, indent=1)
 
 

@@ -151,25 +151,17 @@ def merged_attention(x, batch, *, extra: int = 3, **kw):
     return out
 
 
-@pytest.mark.parametrize("gather_q,merged", [(False, False), (True, False), (True, True)],
-                         ids=["q-rows", "q-gathered", "q-gathered-merged"])
-@pytest.mark.parametrize("g,tq,d,dtype,window,cached,tuning", ATTENTION_CASES,
-                         ids=[f"g{c[0]}-tq{c[1]}-d{c[2]}-{jnp.dtype(c[3]).name}-{'swa' if c[4] else 'full'}"
-                              f"-s{c[6]['num_splits']}{'-bq' if 'block_q' in c[6] else ''}" for c in ATTENTION_CASES])
-def test_paged_attention_matches_reference(g, tq, d, dtype, window, cached, tuning, gather_q, merged):
-    """gather_q: the kernels read their query rows from q as it is (two kv heads, so rows of a kv head are not
-    contiguous in q) instead of a transposed, padded copy, and write their output rows in that layout (padding rows
-    write nothing: the real rows they repeat must survive). merged: the last piece of each query block to finish
-    merges the splits in the attention kernel (on the GPU the pieces run concurrently and count through an atomic;
-    JAXSPEC_ATTN_MERGED=1, q gathered as the engine reads it); otherwise a second kernel does."""
+def assert_matches_reference(g, tq, d, dtype, window, cached, tuning, *, merged: bool = False, **kw):
+    """One case of ATTENTION_CASES (a mixed batch, poisoned pools, blocks of 16 keys) through `paged_attention` with
+    the options kw (or `merged_attention`), against the exact reference on the clean pools."""
     rng = np.random.default_rng(0)
     batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
     x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
     if merged:
-        got = merged_attention(x, batch, scale=0.3, block_k=16, gather_q=gather_q, **tuning)
+        got = merged_attention(x, batch, scale=0.3, block_k=16, **kw, **tuning)
     else:
         got = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3,
-                              block_k=16, gather_q=gather_q, **tuning)
+                              block_k=16, **kw, **tuning)
     want = paged_attention_ref(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3)
     got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
     assert got.shape == want.shape and np.isfinite(got).all()
@@ -178,23 +170,27 @@ def test_paged_attention_matches_reference(g, tq, d, dtype, window, cached, tuni
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("gather_q,merged", [(False, False), (True, False), (True, True)],
+                         ids=["q-rows", "q-gathered", "q-gathered-merged"])
+@pytest.mark.parametrize("case", ATTENTION_CASES,
+                         ids=[f"g{c[0]}-tq{c[1]}-d{c[2]}-{jnp.dtype(c[3]).name}-{'swa' if c[4] else 'full'}"
+                              f"-s{c[6]['num_splits']}{'-bq' if 'block_q' in c[6] else ''}" for c in ATTENTION_CASES])
+def test_paged_attention_matches_reference(case, gather_q, merged):
+    """gather_q: the kernels read their query rows from q as it is (two kv heads, so rows of a kv head are not
+    contiguous in q) instead of a transposed, padded copy, and write their output rows in that layout (padding rows
+    write nothing: the real rows they repeat must survive). merged: the last piece of each query block to finish
+    merges the splits in the attention kernel (on the GPU the pieces run concurrently and count through an atomic;
+    JAXSPEC_ATTN_MERGED=1, q gathered as the engine reads it); otherwise a second kernel does."""
+    assert_matches_reference(*case, merged=merged, gather_q=gather_q)
+
+
 @pytest.mark.parametrize("case", [0, 1, 4, 5], ids=["g1-tq1-full-s1", "g2-tq4-swa-s3", "g8-tq4-full-s2-bq",
                                                  "g2-tq4-d256-bf16-swa-s2"])
 def test_prefetch_matches_reference(case):
     """prefetch (JAXSPEC_ATTN_PREFETCH): the key walk pipelined by hand (block j + 1's rows gathered and block
     j + 2's slots read while block j is computed), over pieces of up to four 16-key blocks (one piece: the whole
     walk in one program), on the poisoned pools: the blocks read past a piece's end are never used."""
-    g, tq, d, dtype, window, cached, tuning = ATTENTION_CASES[case]
-    rng = np.random.default_rng(0)
-    batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
-    x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
-    got = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3,
-                          block_k=16, gather_q=True, prefetch=True, **tuning)
-    want = paged_attention_ref(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3)
-    got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
-    np.testing.assert_array_equal(got[-1], 0.0)
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2
-    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    assert_matches_reference(*ATTENTION_CASES[case], gather_q=True, prefetch=True)
 
 
 def test_merged_count_has_teeth():
@@ -224,16 +220,7 @@ def test_fixed_splits_match_reference(case):
     """fixed_splits (the engine's batch-invariant mode): pieces at fixed entries of the index list and blocks at
     multiples of block_k, not following the live span, on the poisoned pools of the mixed batch: still the
     reference's attention."""
-    g, tq, d, dtype, window, cached, tuning = ATTENTION_CASES[case]
-    rng = np.random.default_rng(0)
-    batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
-    x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
-    got = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3,
-                          block_k=16, gather_q=True, fixed_splits=True, **tuning)
-    want = paged_attention_ref(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3)
-    got, want = np.asarray(got), np.asarray(want)
-    np.testing.assert_array_equal(got[-1], 0.0)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert_matches_reference(*ATTENTION_CASES[case], gather_q=True, fixed_splits=True)
 
 
 @pytest.mark.parametrize("window", [None, 40], ids=["full", "sliding"])

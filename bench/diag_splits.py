@@ -72,27 +72,45 @@ def sizes(text: str) -> list[int]:
     return values
 
 
+def counts(text: str) -> list[int]:
+    """Piece counts, e.g. 1,2,4,0 (0: the default rule); "" for none."""
+    try:
+        values = [int(x) for x in text.split(",")] if text else []
+    except ValueError:
+        values = [-1]
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected whole numbers >= 0 (0: the default rule), e.g. 1,2,0; got {text!r}")
+    return values
+
+
+def merges(text: str) -> list[int]:
+    values = text.split(",")
+    if not values or any(v not in ("0", "1") for v in values):
+        raise argparse.ArgumentTypeError(f"expected 0 (a merge kernel) and/or 1 (in the attention kernel), got {text!r}")
+    return sorted({int(v) for v in values})
+
+
 def positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
     return int(text)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=positive, default=16)
     p.add_argument("--iters", type=positive, default=200)
     p.add_argument("--cases", type=cases, default="512:200,512:512,4096:200,4096:1024,4096:4096",
                    help="width:live pairs")
     p.add_argument("--tq", type=sizes, default="1,5", help="queries per row")
-    p.add_argument("--splits", default="1,0", help="piece counts, a column each (0: the default rule)")
-    p.add_argument("--merged", default="0", help="0: a merge kernel, 1: the merge inside the attention kernel")
-    p.add_argument("--prefetch-splits", default="", help="piece counts also run with the key walk pipelined "
+    p.add_argument("--splits", type=counts, default="1,0", help="piece counts, a column each (0: the default rule)")
+    p.add_argument("--merged", type=merges, default="0", help="0: a merge kernel, 1: the merge inside the attention kernel")
+    p.add_argument("--prefetch-splits", type=counts, default="", help="piece counts also run with the key walk pipelined "
                    "(`paged_attention`'s prefetch), with the merge kernel")
-    p.add_argument("--wide-splits", default="", help="piece counts also run with 64-key blocks (the default for "
+    p.add_argument("--wide-splits", type=counts, default="", help="piece counts also run with 64-key blocks (the default for "
                    "head_dim 256 is 32), with the merge kernel")
     p.add_argument("--json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     rng = np.random.default_rng(0)
     key = jax.random.PRNGKey(0)
     slots = 8192
@@ -112,10 +130,10 @@ def main():
             default = default_splits(1, KVH, padded // block_q, width, 64 if D <= 128 else 32)
             row = {"width": width, "live": live, "tq": tq, "layers": args.layers, "default_splits": default}
             ref = np.asarray(chain(args.layers, 1)(*inputs), np.float32)
-            variants = [(int(x), dict(merged=bool(m)), "merged" if m else "kernel") for x in args.splits.split(",")
-                        for m in (sorted({int(m) for m in args.merged.split(",")}) if x != "1" else [0])]
-            variants += [(int(x), dict(block_k=64), "bk64_kernel") for x in args.wide_splits.split(",") if x]
-            variants += [(int(x), dict(prefetch=True), "prefetch_kernel") for x in args.prefetch_splits.split(",") if x]
+            variants = [(x, dict(merged=bool(m)), "merged" if m else "kernel") for x in args.splits
+                        for m in (args.merged if x != 1 else [0])]
+            variants += [(x, dict(block_k=64), "bk64_kernel") for x in args.wide_splits]
+            variants += [(x, dict(prefetch=True), "prefetch_kernel") for x in args.prefetch_splits]
             diff = 0.0
             for splits, kw, tag in variants:
                 run = chain(args.layers, splits or None, **kw)

@@ -309,3 +309,35 @@ def test_trace_names_kernels_from_the_hlo(tmp_path, capsys):
         assert e.value.code == 2
         (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith("error: --hlo:"), line
+
+
+def _diag_splits():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "diag_splits.py")
+    spec = importlib.util.spec_from_file_location("diag_splits", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_diag_splits_variants_equal_one_piece(tmp_path):
+    """bench/diag_splits.py (the piece-count diagnosis): every variant (pieces, merged in the kernel, pipelined walk)
+    gives the one-piece kernel's output on its chain of layers, within bf16 rounding, and writes a column each."""
+    path = tmp_path / "splits.json"
+    _diag_splits().main(["--layers", "2", "--iters", "1", "--cases", "128:60", "--tq", "1", "--splits", "1,2",
+                         "--merged", "0,1", "--prefetch-splits", "2", "--json", str(path)])
+    (row,) = json.loads(path.read_text())["rows"]
+    assert {k for k in row if k.endswith("_us_per_layer")} == {
+        "s1_kernel_us_per_layer", "s2_kernel_us_per_layer", "s2_merged_us_per_layer",
+        "s2_prefetch_kernel_us_per_layer"}
+    assert row["max_abs_diff"] < 0.05  # bf16 values of order 1 after two layers
+
+
+@pytest.mark.parametrize("argv", [["--splits", "1,-2"], ["--merged", "0,2"], ["--prefetch-splits", "x"]])
+def test_diag_splits_bad_lists_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        _diag_splits().main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert argv[-1] in err[-1]  # the last line (after usage) names what was given

@@ -123,16 +123,16 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     row_lo = row_lo_ref[...][:, None]  # [block_q, 1]
     row_hi = row_hi_ref[...][:, None]
 
-    def keys(j):  # block j's entries: the masks (no loads), and the slots of the keys some query sees
+    def keys(j):  # block j's entries and masks (no loads): (i, valid, key_live)
         i = lo + j * block_k + lax.iota(jnp.int32, block_k)  # [block_k] entries of kv_indices
         pos = (kv_start + i)[None, :]
         valid = (pos >= row_lo) & (pos <= row_hi) & (i < hi)[None, :]  # [block_q, block_k]
         key_live = jnp.max(valid.astype(jnp.int32), axis=0) > 0  # [block_k]: some query sees the key
         return i, valid, key_live
 
-    def slots_of(j):
+    def slots_of(block):
         # Entries no query sees are never dereferenced (they may be unwritten); slot 0 is always in bounds.
-        i, _, key_live = keys(j)
+        i, _, key_live = block
         return jnp.where(key_live, kv_indices_ref[b, jnp.minimum(i, width - 1)], 0)
 
     def rows_of(slots):
@@ -140,8 +140,8 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
             return k_ref[slots, h, :], v_ref[slots, h, :]  # [block_k, D] each
         return k_ref[layer, slots, h, :], v_ref[layer, slots, h, :]
 
-    def attend(j, k, v, acc, m_prev, l_prev):
-        _, valid, key_live = keys(j)
+    def attend(block, k, v, acc, m_prev, l_prev):
+        _, valid, key_live = block
         v = jnp.where(key_live[:, None], v, jnp.zeros((), v.dtype))  # 0 * NaN would leak through P.V
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                             preferred_element_type=jnp.float32) * scale
@@ -156,13 +156,14 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
         return correction[:, None] * acc + pv, m_next, l_next
 
     def body(j, carry):
-        return attend(j, *rows_of(slots_of(j)), *carry)
+        block = keys(j)
+        return attend(block, *rows_of(slots_of(block)), *carry)
 
     def pipelined(j, carry):  # block j's rows arrived during block j - 1; j + 1's are gathered, j + 2's slots read
         acc, m_prev, l_prev, k, v, slots_next = carry
         k_next, v_next = rows_of(slots_next)
-        slots_after = slots_of(j + 2)
-        return (*attend(j, k, v, acc, m_prev, l_prev), k_next, v_next, slots_after)
+        slots_after = slots_of(keys(j + 2))
+        return (*attend(keys(j), k, v, acc, m_prev, l_prev), k_next, v_next, slots_after)
 
     init = (
         jnp.zeros((block_q, head_dim), jnp.float32),
@@ -170,7 +171,8 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
         jnp.zeros((block_q,), jnp.float32),
     )
     if prefetch:  # past the piece's end the slots are 0 (always in bounds): at most two blocks read for nothing
-        acc, m, l, *_ = lax.fori_loop(0, num_blocks, pipelined, (*init, *rows_of(slots_of(0)), slots_of(1)))
+        first_rows = rows_of(slots_of(keys(0)))
+        acc, m, l, *_ = lax.fori_loop(0, num_blocks, pipelined, (*init, *first_rows, slots_of(keys(1))))
     else:
         acc, m, l = lax.fori_loop(0, num_blocks, body, init)
     if merge_rows is not None:

@@ -35,7 +35,7 @@ def compile_threads_env() -> int | None:
 
 # on/off environment switches, for comparing runs
 SWITCHES = ("JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE", "JAXSPEC_UNROLL_ROUNDS", "JAXSPEC_ATTN_GATHER_Q",
-            "JAXSPEC_FUSE_QKV", "JAXSPEC_ATTN_MERGED", "JAXSPEC_ATTN_PREFETCH")
+            "JAXSPEC_FUSE_QKV", "JAXSPEC_ATTN_MERGED", "JAXSPEC_ATTN_PREFETCH", "JAXSPEC_FUSED_NORMS")
 
 
 def env_switch(name: str) -> bool | None:

@@ -237,6 +237,17 @@ def test_sampled_outputs_do_not_depend_on_rounds_per_call_or_overlap(tiny):
         assert got == want, f"R {rounds} overlap {overlap}"
 
 
+def kernels_greedy(oracle):
+    """The engine with the kernels (interpreted on the CPU) at R 2 with overlap, k 3: the oracle prompts' 12-token
+    greedy continuations, and transformers'."""
+    cfg, params, acfg, aparams, prompts, outs = oracle
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
+                 max_context=64, prefill_chunk=8, rounds_per_call=2, overlap=True, use_kernels=True)
+    reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
+    eng.generate(reqs)
+    return [r.output_ids for r in reqs], [o[:12] for o in outs]
+
+
 @pytest.mark.parametrize("switch", [None, "0", "merged"], ids=["default", "off", "merged"])
 def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch, switch):
     """JAXSPEC_ATTN_GATHER_Q (default on): the attention kernels read their query rows from q as it is and write
@@ -258,14 +269,31 @@ def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch, swit
     # blocks of 16 keys, so that both pieces of a row (the interpreter's two) hold keys at these short contexts
     monkeypatch.setattr(pa, "paged_attention_rows", lambda *a, **kw: seen.append(
         (kw.get("gather_q"), kw.get("sem"), kw.get("prefetch"))) or real(*a, **{**kw, "block_k": 16}))
-    cfg, params, acfg, aparams, prompts, outs = oracle
-    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
-                 max_context=64, prefill_chunk=8, rounds_per_call=2, overlap=True, use_kernels=True)
-    reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
-    eng.generate(reqs)
-    assert [r.output_ids for r in reqs] == [o[:12] for o in outs]
+    got, want = kernels_greedy(oracle)
+    assert got == want
     assert seen and all((g is not None) == (switch != "0") for g, _, _ in seen), seen
     assert all((sem is not None) == prefetch == (switch == "merged") for _, sem, prefetch in seen)
+
+
+@pytest.mark.parametrize("switch", ["1", None], ids=["on", "default"])
+def test_fused_norms_engine_equals_transformers_greedy(oracle, monkeypatch, switch):
+    """JAXSPEC_FUSED_NORMS=1 (off by default; with the kernels, one device): the residual stream's norms between a
+    layer's products (after the o projection, before the PLE branch, at the layer's end with the next layer's input
+    norm or the final norm) run as one kernel a site (`row_norms.add_norm`, interpreted here) in prefill chunks, verify
+    steps and drafts; at R 2 with overlap the engine gives transformers' greedy continuations (a kernel that drops
+    the layer scalar fails this). Unset: the jnp reference at every site, and the same continuations."""
+    from jaxspec.pallas import row_norms
+
+    monkeypatch.delenv("JAXSPEC_FUSED_NORMS", raising=False)
+    if switch is not None:
+        monkeypatch.setenv("JAXSPEC_FUSED_NORMS", switch)
+    seen = []
+    real = row_norms.pallas_call
+    monkeypatch.setattr(row_norms, "pallas_call", lambda *a, **kw: seen.append(len(kw["out_shape"])) or real(*a, **kw))
+    got, want = kernels_greedy(oracle)
+    assert got == want
+    # traced calls: with h (two a layer) and without (before the PLE branch), in the target's and the drafter's steps
+    assert (sorted(set(seen)) == [1, 2]) if switch == "1" else not seen, seen
 
 
 @pytest.mark.parametrize("switch", [None, "0"], ids=["default", "off"])

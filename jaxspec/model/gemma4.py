@@ -7,6 +7,7 @@ reuses K/V (KV sharing) passes k = v = None and reads its store layer's storage.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Callable
 
 import jax
@@ -17,6 +18,8 @@ from jaxspec.model.attention import attention
 from jaxspec.model.layers import acc_dtype, apply_rope, gated_mlp, gelu_tanh, linear, moe, rms_norm, softcap, sqrt_scale
 from jaxspec.paged_kv.cache import LayerKV, paged_attend
 from jaxspec.paged_kv.metadata import StepMetadata
+from jaxspec.pallas import row_norms
+from jaxspec.pallas.row_norms import Vec, add_norm_ref
 
 # attend(cache, layer, q [B,T,NH,d], k [B,T,KVH,d] | None, v | None) -> (out [B,T,NH,d], cache)
 Attend = Callable
@@ -36,9 +39,29 @@ def embed(params, cfg: TargetConfig, tokens):
     return x, (proj + tok) * 2.0**-0.5
 
 
-def layer_weights(params, cfg: TargetConfig, i: int) -> dict:
+class LayerWeights(Mapping):
+    """Layer i's weights: `w[name]` is its slice of the group's stack; `w.vec(name, *index)` names one vector of it
+    in place (`row_norms.Vec`), for kernels that read the stack at a static index instead of a sliced copy."""
+
+    def __init__(self, group: dict, j: int):
+        self._group, self._j = group, j
+
+    def __getitem__(self, name):
+        return self._group[name][self._j]
+
+    def __iter__(self):
+        return iter(self._group)
+
+    def __len__(self):
+        return len(self._group)
+
+    def vec(self, name: str, *index: int) -> Vec:
+        return Vec(self._group[name], (self._j, *index))
+
+
+def layer_weights(params, cfg: TargetConfig, i: int) -> LayerWeights:
     group, j = cfg.group_of(i)
-    return {name: arr[j] for name, arr in params["layers"][group].items()}
+    return LayerWeights(params["layers"][group], j)
 
 
 QKV_PARTS = ("q_proj", "k_proj", "v_proj")
@@ -103,34 +126,47 @@ def qkv(w, cfg: TargetConfig, i: int, h, positions):
     return q, k, v
 
 
-def decoder_layer(w, cfg: TargetConfig, i: int, x, positions, ple_i, attend: Attend, cache):
-    """One decoder layer. x: [B, T, H]; ple_i: [B, T, P] or None. Returns (x, cache)."""
+def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, ple_i, attend: Attend, cache, *,
+                  next_norm: Vec, add_norm=add_norm_ref):
+    """One decoder layer. x: [B, T, H] the residual stream, h its input norm (`norms[0]`); ple_i: [B, T, P] or None.
+    Returns (x, h_next = rms_norm(x, next_norm): the next layer's input or the final norm, cache). add_norm:
+    `row_norms.add_norm_ref` or its kernel, the residual stream's norms between the products."""
     eps = cfg.rms_norm_eps
     B, T, _ = x.shape
-    h = rms_norm(x, w["norms"][0], eps)
     q, k, v = qkv(w, cfg, i, h, positions)
     a, cache = attend(cache, i, q, k, v)
-    x = x + rms_norm(linear(a.reshape(B, T, -1), w["o_proj"]), w["norms"][1], eps)
+    x, h = add_norm(linear(a.reshape(B, T, -1), w["o_proj"]), x, w.vec("norms", 1), w.vec("norms", 2), None, eps)
     residual = x
-    h = rms_norm(x, w["norms"][2], eps)
     m = gated_mlp(h, w["gate_up"], w["down"])
     if cfg.enable_moe_block:
         experts = moe(h, residual, w, top_k=cfg.top_k_experts, eps=eps)
         m = rms_norm(m, w["moe_norms"][1], eps) + rms_norm(experts, w["moe_norms"][2], eps)
-    x = residual + rms_norm(m, w["norms"][3], eps)
-    if ple_i is not None:
-        g = gelu_tanh(linear(x, w["ple_gate"])) * ple_i
-        x = x + rms_norm(linear(g, w["ple_proj"]), w["ple_norm"], eps)
-    return x * w["layer_scalar"].astype(x.dtype), cache
+    if ple_i is None:
+        x, h = add_norm(m, residual, w.vec("norms", 3), next_norm, w.vec("layer_scalar"), eps)
+        return x, h, cache
+    x, _ = add_norm(m, residual, w.vec("norms", 3), None, None, eps)
+    g = gelu_tanh(linear(x, w["ple_gate"])) * ple_i
+    x, h = add_norm(linear(g, w["ple_proj"]), x, w.vec("ple_norm"), next_norm, w.vec("layer_scalar"), eps)
+    return x, h, cache
 
 
-def forward(params, cfg: TargetConfig, tokens, positions, attend: Attend, cache):
+def decoder_layers(params, cfg: TargetConfig, x, positions, ple, attend: Attend, cache, final_norm,
+                   add_norm=add_norm_ref):
+    """Every decoder layer and the final norm (final_norm: its [H] weight). ple: [B, T, L, P] or None.
+    Returns (rms_norm(x_out, final_norm) [B, T, H], cache)."""
+    ws = [layer_weights(params, cfg, i) for i in range(cfg.num_layers)]
+    h = rms_norm(x, ws[0]["norms"][0], cfg.rms_norm_eps)
+    for i, w in enumerate(ws):
+        next_norm = ws[i + 1].vec("norms", 0) if i + 1 < len(ws) else Vec(final_norm)
+        x, h, cache = decoder_layer(w, cfg, i, x, h, positions, None if ple is None else ple[:, :, i], attend, cache,
+                                    next_norm=next_norm, add_norm=add_norm)
+    return h, cache
+
+
+def forward(params, cfg: TargetConfig, tokens, positions, attend: Attend, cache, add_norm=add_norm_ref):
     """Run the decoder. tokens, positions: int32[B, T]. Returns (post-final-norm hidden [B, T, H], cache)."""
     x, ple = embed(params, cfg, tokens)
-    for i in range(cfg.num_layers):
-        x, cache = decoder_layer(layer_weights(params, cfg, i), cfg, i, x, positions,
-                                 None if ple is None else ple[:, :, i], attend, cache)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
+    return decoder_layers(params, cfg, x, positions, ple, attend, cache, params["final_norm"], add_norm)
 
 
 def logits(params, cfg: TargetConfig, hidden):
@@ -200,4 +236,13 @@ def paged_forward(params, cfg: TargetConfig, kv, meta: StepMetadata, tokens, *, 
     Returns (hidden [B, T, H], kv). Logits are taken by the caller on the rows it needs (`logits`).
     """
     return forward(params, cfg, tokens, meta.positions, paged_attend(cfg, meta, use_kernels=use_kernels, mesh=mesh),
-                   kv)
+                   kv, add_norm_fn(use_kernels, mesh))
+
+
+def add_norm_fn(use_kernels: bool, mesh=None):
+    """The residual stream's norms between products: the kernel (`row_norms.add_norm`) with JAXSPEC_FUSED_NORMS=1 and
+    the kernels on one device, the jnp reference otherwise (off by default: on the H200 it ties XLA's fusions on E4B's
+    verify step, BENCHMARKS.md session 16)."""
+    if use_kernels and mesh is None and env_switch("JAXSPEC_FUSED_NORMS") is True:
+        return row_norms.add_norm
+    return add_norm_ref

@@ -40,8 +40,8 @@
 # session 15 (issue #14): s16-merged (the in-kernel split merge's GPU lane, then E4B verify / decode / propose with
 # JAXSPEC_ATTN_MERGED 0 and 1 side by side, no GGUF); the GGUF staged (tree cut), then the whole tree with .whl:
 # `s7-convert && s16-ab` (the default pair, the switch 0 against 1); s16-splits (piece counts x where the merge runs).
-# Next: s17-prefetch (the pipelined key walk: GPU lane, diagnosis, E4B verify and decode; no GGUF), then the GPU lane's
-# rest of test_engine.py (TESTS="tests/test_engine.py -k 'not greedy_equals'" TEST_TIMEOUT=480 ... s6-tests).
+# Next: PARTS=lane s17-norms (the v2 norms kernel's GPU lane, ~120 s), then the GPU lane's rest of test_engine.py
+# (TESTS="tests/test_engine.py -k 'not greedy_equals'" TEST_TIMEOUT=480 ... s6-tests).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -60,6 +60,21 @@ switch_ab_270m() {  # $1 an environment switch, $2 a file tag, $3 a timeout: the
       --modes off,bucketed -k 4 --rounds-per-call ${RS:-4} --overlap on --json "$OUT/e2e-270m-$2$v.json" \
       > "$OUT/e2e-270m-$2$v.log" 2>&1
     echo "== $1=$v"; grep "^e2e bs\|Error" "$OUT/e2e-270m-$2$v.log" | head -4; done
+}
+
+ab_verify() {  # $1 an environment switch, $2 a file tag, $3 a timeout: E4B's verify (bs 1, 4K) with the switch 0 and 1,
+  # each traced (every kernel listed); the switch-0 run also dumps XLA's optimized HLO (xz back) to name the kernels
+  local v f dump
+  for v in 0 1; do
+    rm -rf /tmp/hlo; dump=$([ $v = 0 ] && echo "--xla_dump_to=/tmp/hlo --xla_dump_hlo_module_re=.*paged_decode_step.*")
+    env "$1=$v" XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true $dump" \
+      timeout "$3" python3 -m jaxspec.bench verify --bs 1 --profile-dir /tmp/v$v \
+      --json "$OUT/verify-$2$v.json" > "$OUT/verify-$2$v.log" 2>&1
+    f=$(ls -S /tmp/hlo/*paged_decode_step*after_optimizations.txt 2>/dev/null | head -1)
+    [ -n "$f" ] && xz -c "$f" > "$OUT/verify-hlo-$2$v.txt.xz"
+    timeout 60 python3 -m jaxspec.bench trace /tmp/v$v --rounds 20 --top 900 $([ -n "$f" ] && echo "--hlo $f") \
+      --json "$OUT/trace-verify-$2$v.json" >> "$OUT/verify-$2$v.log" 2>&1
+    echo "== $1=$v"; grep "^step of\|launches\|Error" "$OUT/verify-$2$v.log" | head -4; done
 }
 
 case "${1:-bench}" in
@@ -491,23 +506,60 @@ s16-splits)  # issue #14: piece counts 1, 2, 4, 8 and the default rule, each wit
     --json "$OUT/diag-splits.json" \
     > "$OUT/diag-splits.log" 2>&1
   grep -v Warning "$OUT/diag-splits.log" | grep "^{\|Error" | cut -c1-400 ;;
-s17-prefetch)  # issue #14 (next): the attention's key walk pipelined by hand (JAXSPEC_ATTN_PREFETCH, off by default,
-  # not yet measured): its GPU lane (the kernel against the reference, the engine against transformers' greedy), the
-  # diagnosis at 1, 2, 4 pieces and the default rule with and without it, then E4B's verify (bs 1) and decode, the
-  # switch 0 and 1 side by side (no GGUF)
-  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_rounds.py \
-    -k "prefetch or gathering_q" > "$OUT/tests-prefetch.txt" 2>&1
-  grep -E "passed|failed|Error" "$OUT/tests-prefetch.txt" | tail -4
-  timeout ${SPLITS_TIMEOUT:-200} python3 bench/diag_splits.py --splits 1,2,4,0 --prefetch-splits 1,2,4,0 \
-    --cases ${CASES:-512:200,4096:1024,512:512} --tq 1,5 --iters 100 --json "$OUT/diag-prefetch.json" \
-    > "$OUT/diag-prefetch.log" 2>&1
-  grep "^{\|Error" "$OUT/diag-prefetch.log" | cut -c1-400
-  for v in 0 1; do
-    JAXSPEC_ATTN_PREFETCH=$v timeout ${VERIFY_TIMEOUT:-100} python3 -m jaxspec.bench verify --bs 1 \
-      --json "$OUT/verify-pf$v.json" > "$OUT/verify-pf$v.log" 2>&1
-    JAXSPEC_ATTN_PREFETCH=$v timeout ${DECODE_TIMEOUT:-120} python3 -m jaxspec.bench decode \
-      --json "$OUT/decode-pf$v.json" > "$OUT/decode-pf$v.log" 2>&1
-    echo "== JAXSPEC_ATTN_PREFETCH=$v"; grep -h "^step of\|Error" "$OUT/verify-pf$v.log" "$OUT/decode-pf$v.log"; done ;;
+s17-prefetch)  # issue #14: the attention's key walk pipelined by hand (JAXSPEC_ATTN_PREFETCH, off by default). PARTS
+  # (default "lane diag verify decode"): its GPU lane (the kernel against the reference, the engine against
+  # transformers' greedy), the diagnosis at 1, 2, 4 pieces and the default rule with and without it, then E4B's verify
+  # (bs 1, traced: every kernel listed) and decode, the switch 0 and 1 side by side (no GGUF)
+  for part in ${PARTS:-lane diag verify decode}; do case $part in
+  lane)
+    timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_rounds.py \
+      -k "prefetch or gathering_q" > "$OUT/tests-prefetch.txt" 2>&1
+    grep -E "passed|failed|Error" "$OUT/tests-prefetch.txt" | tail -4 ;;
+  diag)
+    timeout ${SPLITS_TIMEOUT:-200} python3 bench/diag_splits.py --splits 1,2,4,0 --prefetch-splits 1,2,4,0 \
+      --cases ${CASES:-512:200,4096:1024,512:512} --tq 1,5 --iters 100 --json "$OUT/diag-prefetch.json" \
+      > "$OUT/diag-prefetch.log" 2>&1
+    grep "^{\|Error" "$OUT/diag-prefetch.log" | cut -c1-400 ;;
+  verify)
+    ab_verify JAXSPEC_ATTN_PREFETCH pf ${VERIFY_TIMEOUT:-100} ;;
+  decode)
+    for v in 0 1; do
+      JAXSPEC_ATTN_PREFETCH=$v timeout ${DECODE_TIMEOUT:-120} python3 -m jaxspec.bench decode \
+        --json "$OUT/decode-pf$v.json" > "$OUT/decode-pf$v.log" 2>&1
+      echo "== JAXSPEC_ATTN_PREFETCH=$v"; grep -h "^step of\|Error" "$OUT/decode-pf$v.log"; done ;;
+  esac; done ;;
+s17-norms)  # issue #14: the residual stream's norms, one kernel a site (jaxspec/pallas/row_norms.py; JAXSPEC_FUSED_NORMS,
+  # off by default since this part ran in session 16).
+  # PARTS (default "perf lane"): E4B's verify (bs 1, 4K, traced, every kernel listed; the switch-0 run with XLA's
+  # optimized HLO to name them), decode (bs 1, paged) and propose (bs 1, 4K), the switch 0 and 1 side by side; then the
+  # GPU lane (the kernel against its reference, the engine against transformers' greedy, bucketed = eager drafts)
+  for part in ${PARTS:-perf lane}; do case $part in
+  perf)
+    ab_verify JAXSPEC_FUSED_NORMS fn ${VERIFY_TIMEOUT:-150}
+    for v in 0 1; do
+      JAXSPEC_FUSED_NORMS=$v timeout ${DECODE_TIMEOUT:-90} python3 -m jaxspec.bench decode --bs 1 --cache paged \
+        --json "$OUT/decode-fn$v.json" > "$OUT/decode-fn$v.log" 2>&1
+      JAXSPEC_FUSED_NORMS=$v timeout ${PROPOSE_TIMEOUT:-90} python3 -m jaxspec.bench propose --bs 1 --ctx 4096 \
+        --variants bucketed --json "$OUT/propose-fn$v.json" > "$OUT/propose-fn$v.log" 2>&1
+      echo "== JAXSPEC_FUSED_NORMS=$v"; grep -h "^step of\|Error" "$OUT/decode-fn$v.log"
+      grep -h "^propose ctx\|Error" "$OUT/propose-fn$v.log" | head -3; done ;;
+  lane)
+    timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_row_norms.py tests/test_rounds.py \
+      tests/test_drafter.py -k "add_norm or fused_norms or gathering_q or batch_invariant or bucketed_equals_eager \
+      or bf16_drafts" > "$OUT/tests-norms.txt" 2>&1
+    grep -E "passed|failed|Error" "$OUT/tests-norms.txt" | tail -6 ;;
+  esac; done ;;
+s17-hlo)  # issue #14: E4B's verify step (bs 1, 4K) traced with XLA's optimized HLO beside it, so that `bench trace
+  # --hlo` names every kernel of the step (its shape and jax op); the HLO comes back xz-compressed
+  rm -rf /tmp/hlo /tmp/vh
+  XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true --xla_dump_to=/tmp/hlo \
+--xla_dump_hlo_module_re=.*paged_decode_step.*" timeout ${VERIFY_TIMEOUT:-250} python3 -m jaxspec.bench verify --bs 1 \
+    --profile-dir /tmp/vh --json "$OUT/verify-hlo.json" > "$OUT/verify-hlo.log" 2>&1
+  f=$(ls -S /tmp/hlo/*paged_decode_step*after_optimizations.txt 2>/dev/null | head -1)
+  [ -n "$f" ] && xz -c "$f" > "$OUT/verify-hlo.txt.xz"
+  timeout 120 python3 -m jaxspec.bench trace /tmp/vh --rounds 20 --top 900 $([ -n "$f" ] && echo "--hlo $f") \
+    --json "$OUT/trace-verify-hlo.json" >> "$OUT/verify-hlo.log" 2>&1
+  grep "^step of\|launches\|Error\|error" "$OUT/verify-hlo.log" | head -6 ;;
 s16-ab)  # issue #14: JAXSPEC_ATTN_MERGED 0 against 1 (the split merge in the attention kernel), the default pair at
   # bs 1, plain and k 4 at R 4 (s7-convert first)
   switch_ab_270m JAXSPEC_ATTN_MERGED m ${AB_TIMEOUT:-150} ;;
@@ -588,3 +640,9 @@ s7-serve)  # issue #16: the server with the default pair (converted by s7-270m) 
     --prompts bench/prompts/270m-heldout.jsonl --json "$OUT/serve-270m.json" >> "$OUT/serve.log" 2>&1
   grep -v "^ *$" "$OUT/serve.log" | tail -14 ;;
 esac
+# The device tool brings back at most eight files a call: more are packed into one archive (tar xzf out.tgz)
+n=$(ls "$OUT" | wc -l)
+if [ "$n" -gt 8 ]; then
+  tar czf /tmp/out.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/out.tgz "$OUT/out.tgz"
+  echo "packed $n files into out.tgz"
+fi

@@ -117,8 +117,9 @@ def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_hea
     one device, the kernel merges its splits itself (`paged_attention`'s sem), every call of a step passing the same
     zeroed buffer on; by default a second kernel merges them: on the H200 the merged kernel made E4B's bs-1 verify
     step 15% slower (4.715 -> 5.412 ms, 41 launches fewer; BENCHMARKS.md session 15), its last piece reading all
-    the pieces' partials alone. JAXSPEC_ATTN_PREFETCH=1 (off by default, not yet measured): the kernel's key walk
-    software-pipelined (`paged_attention`'s prefetch)."""
+    the pieces' partials alone. JAXSPEC_ATTN_PREFETCH=1 (off by default): the kernel's key walk software-pipelined
+    (`paged_attention`'s prefetch); on the H200 no faster (E4B decode 4.684 -> 4.695 ms; one piece's long walks up to
+    19% slower; BENCHMARKS.md session 16)."""
     attn = _attention_fn(use_kernels, num_queries)
     if attn is paged_attention:  # the kernel's options: q's own layout in and out (default), fixed key pieces
         kw = {**kw, "gather_q": env_switch("JAXSPEC_ATTN_GATHER_Q") is not False, "fixed_splits": fixed_splits,

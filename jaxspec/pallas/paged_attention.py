@@ -88,7 +88,8 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     0. refs then end: sem_in (aliased to sem_ref, unread), o_ref, po_ref, pm_ref, pl_ref, sem_ref.
     With prefetch the key walk is software-pipelined by hand: while block j's scores and values are computed, the K/V
     rows of block j + 1 are already being gathered (their slots read one block earlier) and the slots of block j + 2
-    read, so a block's dependent loads (index, then rows) are off the walk's critical path.
+    read, so a block's dependent loads (index, then rows) are off the walk's critical path. (On the H200 that made
+    no walk faster and long ones up to 19% slower: BENCHMARKS.md session 16.)
     """
     if merge_rows is not None:  # the merged outputs; sem_in is the aliased input of sem_ref
         *refs, _sem_in, o_ref, po_ref, pm_ref, pl_ref, sem_ref = refs

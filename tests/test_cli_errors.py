@@ -252,7 +252,8 @@ def test_bad_compile_threads_is_one_line_before_anything_loads(value, monkeypatc
 
 @pytest.mark.parametrize("name", ["JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE", "JAXSPEC_UNROLL_ROUNDS",
                                   "JAXSPEC_ATTN_GATHER_Q", "JAXSPEC_FUSE_QKV", "JAXSPEC_ATTN_MERGED",
-                                  "JAXSPEC_ATTN_PREFETCH", "JAXSPEC_FUSED_NORMS"])
+                                  "JAXSPEC_ATTN_PREFETCH", "JAXSPEC_FUSED_NORMS",
+                                  "JAXSPEC_JOINT_QK_NORM", "JAXSPEC_GEMV"])
 def test_bad_switch_is_one_line_before_anything_loads(name, monkeypatch, capsys, tmp_path):
     """The on/off environment switches take 0 or 1; anything else is one line, exit 2, no output file."""
     from jaxspec.generate import main

@@ -233,6 +233,42 @@ def test_fused_qkv_comparison_has_teeth():
     assert np.max(np.abs(logits - ref["logits"])) > 100 * TOL
 
 
+def run_joint(cfg, params, ids, monkeypatch, switch="1"):
+    """run_dense with JAXSPEC_JOINT_QK_NORM set (read when the forward is traced: a fresh jit)."""
+    monkeypatch.setenv("JAXSPEC_JOINT_QK_NORM", switch)
+    cache = gemma4.init_dense_cache(cfg, *ids.shape, jnp.float32)
+    logits, hidden, cache = jax.jit(gemma4.dense_forward, static_argnums=(1,))(params, cfg, jnp.asarray(ids, jnp.int32),
+                                                                              0, cache)
+    return np.asarray(logits), np.asarray(hidden, np.float32), cache
+
+
+def test_joint_qk_norm_equals_separate_norms(case, monkeypatch):
+    """JAXSPEC_JOINT_QK_NORM=1 (`gemma4.joint_qkv`): q's, k's (and v's) heads normed and rotated as one array give
+    the same logits, hidden states and stored K/V as the separate norms, bit for bit on the CPU (every element goes
+    through the same operations), for every checkpoint (KV sharing, k_eq_v, MoE, no v-norm in Gemma 3)."""
+    name, cfg, params, ref = case
+    fused = gemma4.fuse_qkv(params)
+    want = run_joint(cfg, fused, ref["prompt_ids"], monkeypatch, "0")
+    got = run_joint(cfg, fused, ref["prompt_ids"], monkeypatch)
+    tol = 0 if jax.default_backend() == "cpu" else TOL
+    np.testing.assert_allclose(got[0], want[0], atol=tol, rtol=0)
+    np.testing.assert_allclose(got[1], want[1], atol=tol, rtol=0)
+    for t in want[2]:
+        for kv in "kv":
+            np.testing.assert_allclose(getattr(got[2][t], kv), getattr(want[2][t], kv), atol=tol, rtol=0)
+    check_against(name, got[2], got[0], got[1], ref, "", TOL)
+
+
+def test_joint_qk_norm_comparison_has_teeth(monkeypatch):
+    """The joint norm with k's heads weighted by q_norm (a concatenation in the wrong order) fails the comparison."""
+    cfg, params = load_target(golden_path("e2b", "target"), "fp32")
+    ref = load_reference("e2b")
+    fused = gemma4.fuse_qkv(params)
+    wrong = {g: dict(w, k_norm=w["q_norm"]) if "qkv_proj" in w else w for g, w in fused["layers"].items()}
+    logits, _, _ = run_joint(cfg, dict(fused, layers=wrong), ref["prompt_ids"], monkeypatch)
+    assert np.max(np.abs(logits - ref["logits"])) > 100 * TOL
+
+
 def test_stored_params_fuse_once_and_only_on_one_device(case, monkeypatch):
     """gemma4.stored_params, which the loaders call: on one device one q/k/v stack (and stored weights come back as
     they are, so an engine built on them holds the caller's arrays, not a second copy beside them); with

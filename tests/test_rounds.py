@@ -275,32 +275,44 @@ def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch, swit
     assert all((sem is not None) == prefetch == (switch == "merged") for _, sem, prefetch in seen)
 
 
-@pytest.mark.parametrize("switch", ["1", None], ids=["on", "default"])
-def test_fused_norms_engine_equals_transformers_greedy(oracle, monkeypatch, switch):
-    """JAXSPEC_FUSED_NORMS=1 (off by default; with the kernels, one device): the residual stream's norms between a
-    layer's products (after the o projection, before the PLE branch, at the layer's end with the next layer's input
-    norm or the final norm) run as one kernel a site (`row_norms.add_norm`, interpreted here) in prefill chunks, verify
-    steps and drafts; at R 2 with overlap the engine gives transformers' greedy continuations (a kernel that drops
-    the layer scalar fails this). Unset: the jnp reference at every site, and the same continuations."""
-    from jaxspec.pallas import row_norms
+@pytest.mark.parametrize("switch", ["JAXSPEC_FUSED_NORMS", "JAXSPEC_GEMV", None], ids=["norms", "gemv", "default"])
+def test_layer_kernels_engine_equals_transformers_greedy(oracle, monkeypatch, switch):
+    """The layer kernels that are off by default, each switched on (with the kernels, one device): JAXSPEC_FUSED_NORMS=1,
+    the residual stream's norms between a layer's products (after the o projection, before the PLE branch, at the
+    layer's end with the next layer's input norm or the final norm) as one kernel a site (`row_norms.add_norm`);
+    JAXSPEC_GEMV=1, the small products (q/k/v, o, the PLE pair) as one kernel each (`gemv.gemv`). Interpreted here, in
+    prefill chunks (where they fit), verify steps and drafts; at R 2 with overlap the engine gives transformers' greedy
+    continuations (a norms kernel that drops the layer scalar fails this). Unset: the jnp references only."""
+    from jaxspec.pallas import gemv, row_norms
 
-    monkeypatch.delenv("JAXSPEC_FUSED_NORMS", raising=False)
+    for name in ("JAXSPEC_FUSED_NORMS", "JAXSPEC_GEMV"):
+        monkeypatch.delenv(name, raising=False)
     if switch is not None:
-        monkeypatch.setenv("JAXSPEC_FUSED_NORMS", switch)
-    seen = []
-    real = row_norms.pallas_call
-    monkeypatch.setattr(row_norms, "pallas_call", lambda *a, **kw: seen.append(len(kw["out_shape"])) or real(*a, **kw))
+        monkeypatch.setenv(switch, "1")
+    seen = {"JAXSPEC_FUSED_NORMS": [], "JAXSPEC_GEMV": []}
+    for name, module in (("JAXSPEC_FUSED_NORMS", row_norms), ("JAXSPEC_GEMV", gemv)):
+        real = module.pallas_call
+        monkeypatch.setattr(module, "pallas_call", lambda *a, real=real, calls=seen[name], **kw: calls.append(
+            len(kw["out_shape"]) if isinstance(kw["out_shape"], list) else 1) or real(*a, **kw))
     got, want = kernels_greedy(oracle)
     assert got == want
-    # traced calls: with h (two a layer) and without (before the PLE branch), in the target's and the drafter's steps
-    assert (sorted(set(seen)) == [1, 2]) if switch == "1" else not seen, seen
+    # traced calls: the norms with h (two a layer) and without (before the PLE branch); target's and drafter's steps
+    assert sorted(set(seen["JAXSPEC_FUSED_NORMS"])) == ([1, 2] if switch == "JAXSPEC_FUSED_NORMS" else [])
+    assert bool(seen["JAXSPEC_GEMV"]) == (switch == "JAXSPEC_GEMV")
 
 
-@pytest.mark.parametrize("switch", [None, "0"], ids=["default", "off"])
+@pytest.mark.parametrize("switch", [None, "0", "joint"], ids=["default", "off", "joint"])
 def test_fused_qkv_engine_equals_transformers_greedy(oracle, monkeypatch, switch):
     """JAXSPEC_FUSE_QKV (default on, one device): the engine stores one q/k/v stack per layer group, and at R 2 with
     overlap, prefill, drafts and verify give transformers' greedy continuations; 0 keeps three stacks, and gives
-    them too."""
+    them too. joint: the stack's heads normed and rotated as one array (JAXSPEC_JOINT_QK_NORM=1, off by default)."""
+    monkeypatch.delenv("JAXSPEC_JOINT_QK_NORM", raising=False)
+    joint, calls = switch == "joint", []
+    if joint:
+        monkeypatch.setenv("JAXSPEC_JOINT_QK_NORM", "1")
+        switch = None
+    real = gemma4.joint_qkv
+    monkeypatch.setattr(gemma4, "joint_qkv", lambda *a: calls.append(1) or real(*a))
     if switch is None:
         monkeypatch.delenv("JAXSPEC_FUSE_QKV", raising=False)
     else:
@@ -318,6 +330,7 @@ def test_fused_qkv_engine_equals_transformers_greedy(oracle, monkeypatch, switch
     reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
     eng.generate(reqs)
     assert [r.output_ids for r in reqs] == [o[:12] for o in outs]
+    assert bool(calls) == joint
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "reference"])

@@ -20,7 +20,7 @@ import numpy as np
 from jaxspec.aot import compile_ahead, matmul_precision
 from jaxspec.config import AssistantConfig, TargetConfig
 from jaxspec.model.assistant import fused_supported, propose, propose_fused
-from jaxspec.model.gemma4 import add_norm_fn
+from jaxspec.model.gemma4 import layer_ops
 from jaxspec.paged_kv.cache import PagedKVCache, draft_attend, draft_attend_rows
 from jaxspec.paged_kv.metadata import CacheSpec, PageTables, draft_metadata
 
@@ -51,7 +51,7 @@ def draft(aparams, target_embed, kv, pages: PageTables, cached_len, pending_toke
                              lambda i, q, rope: attend(kv, i, q, rope), k=k)
     attend = draft_attend(target, types, meta, use_kernels=use_kernels, mesh=mesh)
     return propose(aparams, acfg, target_embed, pending_token, seed_hidden, cached_len, attend, kv, k=k,
-                   add_norm=add_norm_fn(use_kernels, mesh))
+                   ops=layer_ops(use_kernels, mesh))
 
 
 def chunks(n: int, buckets: tuple[int, ...]) -> list[tuple[int, int, int]]:

@@ -21,15 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import AssistantConfig, rope_inv_freq
-from jaxspec.model.gemma4 import decoder_layers
+from jaxspec.model.gemma4 import REFERENCE_OPS, LayerOps, decoder_layers
 from jaxspec.model.layers import acc_dtype, linear, rms_norm, sqrt_scale
 from jaxspec.pallas import draft_layer
 from jaxspec.pallas.paged_attention import query_rows
-from jaxspec.pallas.row_norms import add_norm_ref
 
 
 def draft_hidden(aparams, acfg: AssistantConfig, target_embed, tokens, seed_hidden, positions, attend, cache,
-                 add_norm=add_norm_ref):
+                 ops: LayerOps = REFERENCE_OPS):
     """One drafter step up to the final norm.
 
     tokens: int32[B]; seed_hidden: [B, H_target]; positions: int32[B] (the pending token's position).
@@ -41,7 +40,7 @@ def draft_hidden(aparams, acfg: AssistantConfig, target_embed, tokens, seed_hidd
     x = linear(jnp.concatenate([emb.astype(dtype), seed_hidden.astype(dtype)], axis=-1)[:, None, :],
                aparams["pre_projection"])  # [B, 1, Ha]
     hn, cache = decoder_layers(aparams, acfg.text, x, positions[:, None], None, attend, cache, aparams["final_norm"],
-                               add_norm)
+                               ops)
     hn = hn[:, 0]
     return hn, linear(hn, aparams["post_projection"])
 
@@ -109,12 +108,12 @@ def draft_token(aparams, acfg: AssistantConfig, hn):
 
 
 def propose(aparams, acfg: AssistantConfig, target_embed, pending_token, seed_hidden, cached_len, attend, cache, *,
-            k: int, add_norm=add_norm_ref):
+            k: int, ops: LayerOps = REFERENCE_OPS):
     """k recurrent draft steps at one position over one window: step 1 takes the pending token and the target's
     seed hidden, step j+1 takes draft j and step j's h_next. Returns (drafts int32[B, k], last h_next [B, H_t])."""
     tokens, h, drafts = pending_token, seed_hidden, []
     for _ in range(k):
-        hn, h = draft_hidden(aparams, acfg, target_embed, tokens, h, cached_len, attend, cache, add_norm)
+        hn, h = draft_hidden(aparams, acfg, target_embed, tokens, h, cached_len, attend, cache, ops)
         tokens = draft_token(aparams, acfg, hn)
         drafts.append(tokens)
     return jnp.stack(drafts, axis=1), h

@@ -7,6 +7,7 @@ reuses K/V (KV sharing) passes k = v = None and reads its store layer's storage.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Callable
 
@@ -18,7 +19,7 @@ from jaxspec.model.attention import attention
 from jaxspec.model.layers import acc_dtype, apply_rope, gated_mlp, gelu_tanh, linear, moe, rms_norm, softcap, sqrt_scale
 from jaxspec.paged_kv.cache import LayerKV, paged_attend
 from jaxspec.paged_kv.metadata import StepMetadata
-from jaxspec.pallas import row_norms
+from jaxspec.pallas import gemv, row_norms
 from jaxspec.pallas.row_norms import Vec, add_norm_ref
 
 # attend(cache, layer, q [B,T,NH,d], k [B,T,KVH,d] | None, v | None) -> (out [B,T,NH,d], cache)
@@ -64,6 +65,19 @@ def layer_weights(params, cfg: TargetConfig, i: int) -> LayerWeights:
     return LayerWeights(params["layers"][group], j)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerOps:
+    """What kernels may take over between a layer's weights and its values: the residual stream's norms between the
+    products (`row_norms.add_norm_ref` or its kernel) and the small products, q/k/v, o and the per-layer-input pair
+    (`gemv.gemv_ref`, i.e. `linear`, or its kernel); the MLP's large products stay XLA's. `layer_ops` picks them."""
+
+    add_norm: Callable = add_norm_ref
+    product: Callable = gemv.gemv_ref
+
+
+REFERENCE_OPS = LayerOps()
+
+
 QKV_PARTS = ("q_proj", "k_proj", "v_proj")
 
 
@@ -102,18 +116,20 @@ def stored_params(params, tensor_parallel_size: int = 1) -> dict:
     return params if env_switch("JAXSPEC_FUSE_QKV") is False else fuse_qkv(params)
 
 
-def qkv(w, cfg: TargetConfig, i: int, h, positions):
+def qkv(w, cfg: TargetConfig, i: int, h, positions, product=gemv.gemv_ref):
     """Projected, normed and rotated q [B,T,NH,d] and, for a non-shared layer, k, v [B,T,KVH,d] (else None)."""
     B, T, _ = h.shape
     eps, d = cfg.rms_norm_eps, cfg.layer_head_dim(i)
     rope = cfg.rope(cfg.layer_types[i])
     if "qkv_proj" in w:  # fuse_qkv's stack: one product; q's rows first, then K's and V's (equal) or K's alone
-        out = linear(h, w["qkv_proj"])
+        out = product(h, w.vec("qkv_proj"))
+        if env_switch("JAXSPEC_JOINT_QK_NORM") is True:
+            return joint_qkv(w, cfg, i, out, positions)
         q, kv = out[..., : cfg.num_heads * d], out[..., cfg.num_heads * d:]
         proj = {"q_proj": q, **(dict(zip(("k_proj", "v_proj"), jnp.split(kv, 2, axis=-1))) if cfg.has_v_proj(i)
                                 else {"k_proj": kv})}
     else:
-        proj = {name: linear(h, w[name]) for name in QKV_PARTS if name in w}
+        proj = {name: product(h, w.vec(name)) for name in QKV_PARTS if name in w}
     q = proj["q_proj"].reshape(B, T, cfg.num_heads, d)
     q = apply_rope(rms_norm(q, w["q_norm"], eps), positions, rope)
     if "k_proj" not in proj:
@@ -126,16 +142,42 @@ def qkv(w, cfg: TargetConfig, i: int, h, positions):
     return q, k, v
 
 
+def joint_qkv(w, cfg: TargetConfig, i: int, out, positions):
+    """`qkv` from the fused stack's product out [B, T, (NH + KVH (+ KVH)) d], its heads normed and rotated together
+    (JAXSPEC_JOINT_QK_NORM=1, off by default): q's and k's heads (and v's, with the weightless v-norm) as one [B, T,
+    heads, d] array, each head normed with its own weight (q_norm, k_norm, or 1: exact), then q's and k's heads rotated
+    at once. Element by element the same operations as `qkv`'s separate ones; XLA gets one reduction and one
+    elementwise pass a layer to fuse instead of one of each per q, k and v (E4B's verify step: four to six kernels a
+    layer, ~209 µs a step; BENCHMARKS.md session 16)."""
+    B, T, _ = out.shape
+    eps, d, NH = cfg.rms_norm_eps, cfg.layer_head_dim(i), cfg.num_heads
+    heads = out.reshape(B, T, -1, d)
+    has_v = cfg.has_v_proj(i)
+    KVH = (heads.shape[2] - NH) // (2 if has_v else 1)
+    acc = acc_dtype(out.dtype)
+    weights = [jnp.broadcast_to(w["q_norm"].astype(acc), (NH, d)), jnp.broadcast_to(w["k_norm"].astype(acc), (KVH, d))]
+    if has_v and cfg.use_v_norm:
+        weights.append(jnp.ones((KVH, d), acc))
+    normed = rms_norm(heads[:, :, : NH + KVH * len(weights[1:])], jnp.concatenate(weights), eps)
+    qk = apply_rope(normed[:, :, : NH + KVH], positions, cfg.rope(cfg.layer_types[i]))
+    if has_v:
+        v = normed[:, :, NH + KVH:] if cfg.use_v_norm else heads[:, :, NH + KVH:]
+    else:  # k_eq_v: V is the raw K projection
+        v = heads[:, :, NH:]
+        v = rms_norm(v, None, eps) if cfg.use_v_norm else v
+    return qk[:, :, :NH], qk[:, :, NH:], v
+
+
 def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, ple_i, attend: Attend, cache, *,
-                  next_norm: Vec, add_norm=add_norm_ref):
+                  next_norm: Vec, ops: LayerOps = REFERENCE_OPS):
     """One decoder layer. x: [B, T, H] the residual stream, h its input norm (`norms[0]`); ple_i: [B, T, P] or None.
-    Returns (x, h_next = rms_norm(x, next_norm): the next layer's input or the final norm, cache). add_norm:
-    `row_norms.add_norm_ref` or its kernel, the residual stream's norms between the products."""
-    eps = cfg.rms_norm_eps
+    Returns (x, h_next = rms_norm(x, next_norm): the next layer's input or the final norm, cache). ops: the
+    reference's or the kernels' norms and small products (`LayerOps`)."""
+    eps, add_norm, product = cfg.rms_norm_eps, ops.add_norm, ops.product
     B, T, _ = x.shape
-    q, k, v = qkv(w, cfg, i, h, positions)
+    q, k, v = qkv(w, cfg, i, h, positions, product)
     a, cache = attend(cache, i, q, k, v)
-    x, h = add_norm(linear(a.reshape(B, T, -1), w["o_proj"]), x, w.vec("norms", 1), w.vec("norms", 2), None, eps)
+    x, h = add_norm(product(a.reshape(B, T, -1), w.vec("o_proj")), x, w.vec("norms", 1), w.vec("norms", 2), None, eps)
     residual = x
     m = gated_mlp(h, w["gate_up"], w["down"])
     if cfg.enable_moe_block:
@@ -145,13 +187,13 @@ def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, p
         x, h = add_norm(m, residual, w.vec("norms", 3), next_norm, w.vec("layer_scalar"), eps)
         return x, h, cache
     x, _ = add_norm(m, residual, w.vec("norms", 3), None, None, eps)
-    g = gelu_tanh(linear(x, w["ple_gate"])) * ple_i
-    x, h = add_norm(linear(g, w["ple_proj"]), x, w.vec("ple_norm"), next_norm, w.vec("layer_scalar"), eps)
+    g = gelu_tanh(product(x, w.vec("ple_gate"))) * ple_i
+    x, h = add_norm(product(g, w.vec("ple_proj")), x, w.vec("ple_norm"), next_norm, w.vec("layer_scalar"), eps)
     return x, h, cache
 
 
 def decoder_layers(params, cfg: TargetConfig, x, positions, ple, attend: Attend, cache, final_norm,
-                   add_norm=add_norm_ref):
+                   ops: LayerOps = REFERENCE_OPS):
     """Every decoder layer and the final norm (final_norm: its [H] weight). ple: [B, T, L, P] or None.
     Returns (rms_norm(x_out, final_norm) [B, T, H], cache)."""
     ws = [layer_weights(params, cfg, i) for i in range(cfg.num_layers)]
@@ -159,14 +201,14 @@ def decoder_layers(params, cfg: TargetConfig, x, positions, ple, attend: Attend,
     for i, w in enumerate(ws):
         next_norm = ws[i + 1].vec("norms", 0) if i + 1 < len(ws) else Vec(final_norm)
         x, h, cache = decoder_layer(w, cfg, i, x, h, positions, None if ple is None else ple[:, :, i], attend, cache,
-                                    next_norm=next_norm, add_norm=add_norm)
+                                    next_norm=next_norm, ops=ops)
     return h, cache
 
 
-def forward(params, cfg: TargetConfig, tokens, positions, attend: Attend, cache, add_norm=add_norm_ref):
+def forward(params, cfg: TargetConfig, tokens, positions, attend: Attend, cache, ops: LayerOps = REFERENCE_OPS):
     """Run the decoder. tokens, positions: int32[B, T]. Returns (post-final-norm hidden [B, T, H], cache)."""
     x, ple = embed(params, cfg, tokens)
-    return decoder_layers(params, cfg, x, positions, ple, attend, cache, params["final_norm"], add_norm)
+    return decoder_layers(params, cfg, x, positions, ple, attend, cache, params["final_norm"], ops)
 
 
 def logits(params, cfg: TargetConfig, hidden):
@@ -236,13 +278,15 @@ def paged_forward(params, cfg: TargetConfig, kv, meta: StepMetadata, tokens, *, 
     Returns (hidden [B, T, H], kv). Logits are taken by the caller on the rows it needs (`logits`).
     """
     return forward(params, cfg, tokens, meta.positions, paged_attend(cfg, meta, use_kernels=use_kernels, mesh=mesh),
-                   kv, add_norm_fn(use_kernels, mesh))
+                   kv, layer_ops(use_kernels, mesh))
 
 
-def add_norm_fn(use_kernels: bool, mesh=None):
-    """The residual stream's norms between products: the kernel (`row_norms.add_norm`) with JAXSPEC_FUSED_NORMS=1 and
-    the kernels on one device, the jnp reference otherwise (off by default: on the H200 it ties XLA's fusions on E4B's
-    verify step, BENCHMARKS.md session 16)."""
-    if use_kernels and mesh is None and env_switch("JAXSPEC_FUSED_NORMS") is True:
-        return row_norms.add_norm
-    return add_norm_ref
+def layer_ops(use_kernels: bool, mesh=None) -> LayerOps:
+    """The kernels a layer runs between its weights and values, with the kernels on one device: the residual stream's
+    norms (`row_norms.add_norm`) with JAXSPEC_FUSED_NORMS=1 and the small products (`gemv.gemv`) with JAXSPEC_GEMV=1;
+    the jnp references otherwise (both off by default: the norms kernel tied XLA's fusions on the H200, BENCHMARKS.md
+    session 16; the products kernel is not yet measured)."""
+    on = use_kernels and mesh is None
+    return LayerOps(
+        add_norm=row_norms.add_norm if on and env_switch("JAXSPEC_FUSED_NORMS") is True else add_norm_ref,
+        product=gemv.gemv if on and env_switch("JAXSPEC_GEMV") is True else gemv.gemv_ref)

@@ -1,0 +1,85 @@
+"""Pallas (Triton) kernel of a decode step's small products (a few rows times a weight matrix), and its jnp reference
+(`gemv_ref`: `linear`, the CPU path's math and the kernel's test oracle).
+
+With 1 to 16 rows (a decode or verify step at small batch) a product is a stream over its weight: XLA's autotuned GEMM
+splits K to find enough programs for a small N and reduces the split in a second kernel (E4B's verify step: the q/k/v,
+o and per-layer-input products, ~940 µs for ~40 MB of weights in 210 launches, BENCHMARKS.md session 16). Here the
+weight is split over N only, a few rows of it a program (hundreds of programs, each streaming a few KB a chunk, the
+occupancy hiding the loads' latency), each program summing its whole K in fp32 by broadcast and sum (no `tt.dot`,
+whose 16-row tiles would be mostly padding; fp32 stays IEEE fp32, never TF32) and rounding once, as the reference's
+product does. One launch a product, no reduction kernel after it. The weight is read from its stack at a static index
+through the BlockSpec (`Vec`), never sliced out into a copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jaxspec.model.layers import linear
+from jaxspec.pallas.draft_layer import TILE, _pow2_divisor, _products
+from jaxspec.pallas.row_norms import Vec
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
+
+pallas_call = pl.pallas_call  # (a module name, so that tests can watch the kernel's calls)
+MAX_ROWS = 16
+PROGRAMS = 512  # at least this many programs where N allows it (each SM holds several: their loads overlap)
+
+
+def gemv_ref(x, w: Vec):
+    """x [..., K] @ w.T for w = w.stack[w.index] [N, K]: `linear`."""
+    return linear(x, w.get())
+
+
+def rows_of(x) -> int:
+    return math.prod(x.shape[:-1])
+
+
+def supported(x, w: Vec) -> bool:
+    """Whether the kernel takes this product: bf16 or fp32 rows, a power of two of them up to MAX_ROWS, the weight
+    [N, K] in the rows' dtype with K in chunks of >= 16."""
+    M, (N, K) = rows_of(x), w.stack.shape[-2:]
+    return (x.dtype in (jnp.bfloat16, jnp.float32) and w.stack.dtype == x.dtype and x.shape[-1] == K
+            and 0 < M <= MAX_ROWS and M & (M - 1) == 0 and _pow2_divisor(K, 16) == 16
+            and len(w.index) == w.stack.ndim - 2)
+
+
+def block_rows(N: int) -> int:
+    """Weight rows a program multiplies: up to 8, fewer where N gives fewer than PROGRAMS programs."""
+    return _pow2_divisor(N, min(8, max(1, N // PROGRAMS)))
+
+
+def _kernel(x_ref, w_ref, o_ref, *, block_k: int):
+    (acc,) = _products(lambda k0: x_ref[:, pl.ds(k0, block_k)].astype(jnp.float32),
+                       (lambda k0: w_ref[:, pl.ds(k0, block_k)],), K=x_ref.shape[1], block_k=block_k,
+                       rows=o_ref.shape[0])
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def gemv(x, w: Vec, *, interpret: bool | None = None):
+    """`gemv_ref` in one kernel launch where `supported`; the reference otherwise. interpret: None runs the
+    interpreter on CPU backends and compiles with Triton elsewhere."""
+    if not supported(x, w):
+        return gemv_ref(x, w)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    M, (N, K) = rows_of(x), w.stack.shape[-2:]
+    bn = block_rows(N)
+    bk = _pow2_divisor(K, max(16, TILE // (M * bn)))
+    idx = tuple(w.index)
+    out = pallas_call(
+        functools.partial(_kernel, block_k=bk), grid=(N // bn,),
+        in_specs=[pl.BlockSpec((M, K), lambda n: (0, 0)),
+                  pl.BlockSpec((*(None,) * len(idx), bn, K), lambda n: (*idx, n, 0))],
+        out_specs=pl.BlockSpec((M, bn), lambda n: (0, n)),
+        out_shape=jax.ShapeDtypeStruct((M, N), x.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2), interpret=interpret, name="gemv",
+    )(x.reshape(M, K), w.stack)
+    return out.reshape(*x.shape[:-1], N)

@@ -40,8 +40,8 @@
 # session 15 (issue #14): s16-merged (the in-kernel split merge's GPU lane, then E4B verify / decode / propose with
 # JAXSPEC_ATTN_MERGED 0 and 1 side by side, no GGUF); the GGUF staged (tree cut), then the whole tree with .whl:
 # `s7-convert && s16-ab` (the default pair, the switch 0 against 1); s16-splits (piece counts x where the merge runs).
-# Next: PARTS=lane s17-norms (the v2 norms kernel's GPU lane, ~120 s), then the GPU lane's rest of test_engine.py
-# (TESTS="tests/test_engine.py -k 'not greedy_equals'" TEST_TIMEOUT=480 ... s6-tests).
+# Next: s18 (PARTS=lane, then gemv, then joint: session 16's unmeasured kernels, GPU lane and E4B A/B), then the GPU
+# lane's rest of test_engine.py (TESTS="tests/test_engine.py -k 'not greedy_equals'" TEST_TIMEOUT=480 ... s6-tests).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -75,6 +75,19 @@ ab_verify() {  # $1 an environment switch, $2 a file tag, $3 a timeout: E4B's ve
     timeout 60 python3 -m jaxspec.bench trace /tmp/v$v --rounds 20 --top 900 $([ -n "$f" ] && echo "--hlo $f") \
       --json "$OUT/trace-verify-$2$v.json" >> "$OUT/verify-$2$v.log" 2>&1
     echo "== $1=$v"; grep "^step of\|launches\|Error" "$OUT/verify-$2$v.log" | head -4; done
+}
+
+ab_e4b() {  # $1 an environment switch, $2 a file tag: E4B's verify (ab_verify), decode (bs 1, paged) and propose (bs 1,
+  # 4K) with the switch 0 and 1 side by side
+  local v
+  ab_verify "$1" "$2" ${VERIFY_TIMEOUT:-150}
+  for v in 0 1; do
+    env "$1=$v" timeout ${DECODE_TIMEOUT:-90} python3 -m jaxspec.bench decode --bs 1 --cache paged \
+      --json "$OUT/decode-$2$v.json" > "$OUT/decode-$2$v.log" 2>&1
+    env "$1=$v" timeout ${PROPOSE_TIMEOUT:-90} python3 -m jaxspec.bench propose --bs 1 --ctx 4096 \
+      --variants bucketed --json "$OUT/propose-$2$v.json" > "$OUT/propose-$2$v.log" 2>&1
+    echo "== $1=$v"; grep -h "^step of\|Error" "$OUT/decode-$2$v.log"
+    grep -h "^propose ctx\|Error" "$OUT/propose-$2$v.log" | head -3; done
 }
 
 case "${1:-bench}" in
@@ -529,25 +542,34 @@ s17-prefetch)  # issue #14: the attention's key walk pipelined by hand (JAXSPEC_
       echo "== JAXSPEC_ATTN_PREFETCH=$v"; grep -h "^step of\|Error" "$OUT/decode-pf$v.log"; done ;;
   esac; done ;;
 s17-norms)  # issue #14: the residual stream's norms, one kernel a site (jaxspec/pallas/row_norms.py; JAXSPEC_FUSED_NORMS,
-  # off by default since this part ran in session 16).
+  # off by default since this part ran in session 16; the v2 kernel's lane is in s18).
   # PARTS (default "perf lane"): E4B's verify (bs 1, 4K, traced, every kernel listed; the switch-0 run with XLA's
   # optimized HLO to name them), decode (bs 1, paged) and propose (bs 1, 4K), the switch 0 and 1 side by side; then the
   # GPU lane (the kernel against its reference, the engine against transformers' greedy, bucketed = eager drafts)
   for part in ${PARTS:-perf lane}; do case $part in
   perf)
-    ab_verify JAXSPEC_FUSED_NORMS fn ${VERIFY_TIMEOUT:-150}
-    for v in 0 1; do
-      JAXSPEC_FUSED_NORMS=$v timeout ${DECODE_TIMEOUT:-90} python3 -m jaxspec.bench decode --bs 1 --cache paged \
-        --json "$OUT/decode-fn$v.json" > "$OUT/decode-fn$v.log" 2>&1
-      JAXSPEC_FUSED_NORMS=$v timeout ${PROPOSE_TIMEOUT:-90} python3 -m jaxspec.bench propose --bs 1 --ctx 4096 \
-        --variants bucketed --json "$OUT/propose-fn$v.json" > "$OUT/propose-fn$v.log" 2>&1
-      echo "== JAXSPEC_FUSED_NORMS=$v"; grep -h "^step of\|Error" "$OUT/decode-fn$v.log"
-      grep -h "^propose ctx\|Error" "$OUT/propose-fn$v.log" | head -3; done ;;
+    ab_e4b JAXSPEC_FUSED_NORMS fn ;;
   lane)
     timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_row_norms.py tests/test_rounds.py \
       tests/test_drafter.py -k "add_norm or fused_norms or gathering_q or batch_invariant or bucketed_equals_eager \
       or bf16_drafts" > "$OUT/tests-norms.txt" 2>&1
     grep -E "passed|failed|Error" "$OUT/tests-norms.txt" | tail -6 ;;
+  esac; done ;;
+s18)  # issue #14 (next): the kernels built in session 16 and not yet measured or GPU-tested, each off by default.
+  # PARTS (default "lane gemv joint"; one or two a call): lane, their GPU lane (the small products' kernel and the
+  # norms kernel v2 against their references, the joint q/k norm against transformers on the six oracle checkpoints,
+  # the engine against transformers' greedy with each switch); gemv, E4B side by side with JAXSPEC_GEMV 0 and 1
+  # (ab_e4b: verify traced, decode, propose); joint, the same with JAXSPEC_JOINT_QK_NORM
+  for part in ${PARTS:-lane gemv joint}; do case $part in
+  lane)
+    timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_row_norms.py \
+      tests/test_model.py tests/test_rounds.py -k "gemv or add_norm or joint or fused_qkv or layer_kernels" \
+      > "$OUT/tests-s18.txt" 2>&1
+    grep -E "passed|failed|Error" "$OUT/tests-s18.txt" | tail -6 ;;
+  gemv)
+    ab_e4b JAXSPEC_GEMV gv ;;
+  joint)
+    ab_e4b JAXSPEC_JOINT_QK_NORM jq ;;
   esac; done ;;
 s17-hlo)  # issue #14: E4B's verify step (bs 1, 4K) traced with XLA's optimized HLO beside it, so that `bench trace
   # --hlo` names every kernel of the step (its shape and jax op); the HLO comes back xz-compressed

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxspec.model.layers import linear
-from jaxspec.pallas.draft_layer import TILE, _pow2_divisor, _products
+from jaxspec.pallas.draft_layer import TILE, _interpret, _pow2_divisor, _products
 from jaxspec.pallas.row_norms import Vec
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
@@ -68,8 +68,6 @@ def gemv(x, w: Vec, *, interpret: bool | None = None):
     interpreter on CPU backends and compiles with Triton elsewhere."""
     if not supported(x, w):
         return gemv_ref(x, w)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
     M, (N, K) = rows_of(x), w.stack.shape[-2:]
     bn = block_rows(N)
     bk = _pow2_divisor(K, max(16, TILE // (M * bn)))
@@ -80,6 +78,7 @@ def gemv(x, w: Vec, *, interpret: bool | None = None):
                   pl.BlockSpec((*(None,) * len(idx), bn, K), lambda n: (*idx, n, 0))],
         out_specs=pl.BlockSpec((M, bn), lambda n: (0, n)),
         out_shape=jax.ShapeDtypeStruct((M, N), x.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2), interpret=interpret, name="gemv",
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2), interpret=_interpret(interpret),
+        name="gemv",
     )(x.reshape(M, K), w.stack)
     return out.reshape(*x.shape[:-1], N)

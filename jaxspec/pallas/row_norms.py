@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxspec.model.layers import rms_norm
+from jaxspec.pallas.draft_layer import _interpret, _pow2_divisor
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
 
@@ -60,7 +61,7 @@ def add_norm_ref(y, x, w_y: Vec, w_h: Vec | None, scalar: Vec | None, eps: float
 
 def chunk_size(H: int) -> int:
     """The largest power of two dividing H, up to MAX_CHUNK (1 for odd H)."""
-    return min(H & -H, MAX_CHUNK)
+    return _pow2_divisor(H, MAX_CHUNK)
 
 
 def supported(y, x) -> bool:
@@ -122,8 +123,7 @@ def add_norm(y, x, w_y: Vec, w_h: Vec | None, scalar: Vec | None, eps: float, *,
     interpret: None runs the interpreter on CPU backends and compiles with Triton elsewhere."""
     if not supported(y, x):
         return add_norm_ref(y, x, w_y, w_h, scalar, eps)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+    interpret = _interpret(interpret)
     shape, H = x.shape, x.shape[-1]
     M = math.prod(shape[:-1])
     row = pl.BlockSpec((None, H), lambda r: (r, 0))
@@ -141,7 +141,8 @@ def add_norm(y, x, w_y: Vec, w_h: Vec | None, scalar: Vec | None, eps: float, *,
         kernel, grid=(M,), in_specs=in_specs,
         out_specs=[row, row] if w_h is not None else [row],
         out_shape=[out, out] if w_h is not None else [out],
-        compiler_params=pltriton.CompilerParams(num_warps=8 if H >= 2048 else 4, num_stages=1), interpret=interpret, name="add_norm",
+        compiler_params=pltriton.CompilerParams(num_warps=8 if H >= 2048 else 4, num_stages=1), interpret=interpret,
+        name="add_norm",
     )(*operands)
     x_new = outs[0].reshape(shape)
     return x_new, None if w_h is None else outs[1].reshape(shape)

@@ -555,6 +555,15 @@ s17-norms)  # issue #14: the residual stream's norms, one kernel a site (jaxspec
       or bf16_drafts" > "$OUT/tests-norms.txt" 2>&1
     grep -E "passed|failed|Error" "$OUT/tests-norms.txt" | tail -6 ;;
   esac; done ;;
+s18-sweep)  # issue #14: the small products' kernel cut by cut (gemv.Config) against XLA's product at E4B's shapes,
+  # rows 4 (verify, bs 1) for every shape and cut, then rows 1 for XLA and the dot cuts (bench/diag_gemv.py)
+  timeout ${SWEEP_TIMEOUT:-330} python3 bench/diag_gemv.py --rows 4 --shapes qkv,o,ple_gate,ple_proj,qkv_global \
+    --json "$OUT/gemv-sweep4.json" > "$OUT/gemv-sweep4.log" 2>&1
+  grep "^==\|Error" "$OUT/gemv-sweep4.log"
+  timeout ${SWEEP1_TIMEOUT:-120} python3 bench/diag_gemv.py --rows 1 --shapes qkv,o,ple_gate,ple_proj \
+    --configs xla,bsum,acc-4x256,dot-16x256-s3,dot-16x512-s3,dot-32x128-s4 \
+    --json "$OUT/gemv-sweep1.json" > "$OUT/gemv-sweep1.log" 2>&1
+  grep "^==\|Error" "$OUT/gemv-sweep1.log" ;;
 s18)  # issue #14 (next): the kernels built in session 16 and not yet measured or GPU-tested, each off by default.
   # PARTS (default "lane gemv joint"; one or two a call): lane, their GPU lane (the small products' kernel and the
   # norms kernel v2 against their references, the joint q/k norm against transformers on the six oracle checkpoints,

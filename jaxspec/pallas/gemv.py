@@ -13,12 +13,14 @@ through the BlockSpec (`Vec`), never sliced out into a copy.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -51,6 +53,23 @@ def supported(x, w: Vec) -> bool:
             and len(w.index) == w.stack.ndim - 2)
 
 
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """How the kernel cuts a product. mode "bsum": each chunk's [rows, bn, bk] products summed over the chunk at once
+    (a reduction across threads every chunk); "acc": the products added elementwise into a [rows, bn, bk] fp32
+    accumulator, summed over bk once at the end; "dot": the rows padded to 16 and each chunk multiplied by `tt.dot`
+    (bf16 or IEEE fp32 inputs, fp32 accumulation: the rows' padding costs nothing in a product that streams its
+    weight). bn: weight rows a program (None: `block_rows`); bk: columns a chunk (None: the register rule)."""
+    mode: str = "bsum"
+    bn: int | None = None
+    bk: int | None = None
+    warps: int = 4
+    stages: int = 2
+
+
+DEFAULT = Config()
+
+
 def block_rows(N: int) -> int:
     """Weight rows a program multiplies: up to 8, fewer where N gives fewer than PROGRAMS programs."""
     return _pow2_divisor(N, min(8, max(1, N // PROGRAMS)))
@@ -63,22 +82,56 @@ def _kernel(x_ref, w_ref, o_ref, *, block_k: int):
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def gemv(x, w: Vec, *, interpret: bool | None = None):
+def _acc_kernel(x_ref, w_ref, o_ref, *, block_k: int):
+    M, bn = o_ref.shape
+
+    def body(j, acc):
+        k0 = pl.multiple_of(j * block_k, block_k)
+        x = x_ref[:, pl.ds(k0, block_k)].astype(jnp.float32)
+        return acc + x[:, None, :] * w_ref[:, pl.ds(k0, block_k)].astype(jnp.float32)[None, :, :]
+
+    acc = lax.fori_loop(0, x_ref.shape[1] // block_k, body, jnp.zeros((M, bn, block_k), jnp.float32))
+    o_ref[...] = jnp.sum(acc, axis=2).astype(o_ref.dtype)
+
+
+def _dot_kernel(x_ref, w_ref, o_ref, *, block_k: int):
+    precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+
+    def body(j, acc):
+        k0 = pl.multiple_of(j * block_k, block_k)
+        return acc + lax.dot_general(x_ref[:, pl.ds(k0, block_k)], w_ref[:, pl.ds(k0, block_k)],
+                                     (((1,), (1,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, x_ref.shape[1] // block_k, body, jnp.zeros(o_ref.shape, jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+DOT_ROWS = 16  # `tt.dot`'s smallest tile of rows
+
+
+def gemv(x, w: Vec, *, interpret: bool | None = None, config: Config | None = None):
     """`gemv_ref` in one kernel launch where `supported`; the reference otherwise. interpret: None runs the
     interpreter on CPU backends and compiles with Triton elsewhere."""
     if not supported(x, w):
         return gemv_ref(x, w)
+    c = config or DEFAULT
     M, (N, K) = rows_of(x), w.stack.shape[-2:]
-    bn = block_rows(N)
-    bk = _pow2_divisor(K, max(16, TILE // (M * bn)))
+    xs = x.reshape(M, K)
+    rows = DOT_ROWS if c.mode == "dot" else M
+    if rows > M:
+        xs = jnp.pad(xs, ((0, rows - M), (0, 0)))
+    bn = _pow2_divisor(N, c.bn) if c.bn else block_rows(N)
+    bk = _pow2_divisor(K, c.bk) if c.bk else _pow2_divisor(K, max(16, TILE // (M * bn)))
+    kernel = {"bsum": _kernel, "acc": _acc_kernel, "dot": _dot_kernel}[c.mode]
     idx = tuple(w.index)
     out = pallas_call(
-        functools.partial(_kernel, block_k=bk), grid=(N // bn,),
-        in_specs=[pl.BlockSpec((M, K), lambda n: (0, 0)),
+        functools.partial(kernel, block_k=bk), grid=(N // bn,),
+        in_specs=[pl.BlockSpec((rows, K), lambda n: (0, 0)),
                   pl.BlockSpec((*(None,) * len(idx), bn, K), lambda n: (*idx, n, 0))],
-        out_specs=pl.BlockSpec((M, bn), lambda n: (0, n)),
-        out_shape=jax.ShapeDtypeStruct((M, N), x.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2), interpret=_interpret(interpret),
-        name="gemv",
-    )(x.reshape(M, K), w.stack)
-    return out.reshape(*x.shape[:-1], N)
+        out_specs=pl.BlockSpec((rows, bn), lambda n: (0, n)),
+        out_shape=jax.ShapeDtypeStruct((rows, N), x.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=c.warps, num_stages=c.stages),
+        interpret=_interpret(interpret), name="gemv",
+    )(xs, w.stack)
+    return out[:M].reshape(*x.shape[:-1], N)

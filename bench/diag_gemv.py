@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 
@@ -45,6 +46,22 @@ def median_us(run, inputs, iters: int) -> float:
     return float(np.median(times)) * 1e6
 
 
+def kernel_us(run, inputs, iters: int, directory: str) -> tuple[float, float]:
+    """(µs of device kernels a call, of them the products' kernels: `gemv` or XLA's GEMM fusions and their split-K
+    reductions) from a profile of `iters` calls (jax.profiler; the kernels read as `bench trace` reads them)."""
+    from jaxspec.bench.trace import device_events, newest_trace
+
+    shutil.rmtree(directory, ignore_errors=True)
+    with jax.profiler.trace(directory):
+        for _ in range(iters):
+            jax.block_until_ready(run(*inputs))
+    kernels, _ = device_events(newest_trace(directory))
+    total = sum(k.end - k.start for k in kernels) / 1e3 / iters
+    prod = sum(k.end - k.start for k in kernels if k.name.startswith(("gemv", "gemm", "cutlass", "sm90", "nvjet"))
+               or "dot" in k.name or "split_k" in k.name or "splitk" in k.name) / 1e3 / iters
+    return total, prod
+
+
 def chain(config):
     def run(x, ws):
         outs = []
@@ -64,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--profile", action="store_true", help="also the device kernels' µs (jax.profiler, GPU only)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     dtype = jnp.dtype(a.dtype)
@@ -81,6 +99,9 @@ def main(argv=None) -> int:
                     run = chain(CONFIGS[cname])
                     out = np.asarray(jax.block_until_ready(run(x, ws)), np.float32)
                     us = median_us(run, (x, ws), a.iters) / a.layers
+                    k_us, p_us = (kernel_us(run, (x, ws), 10, f"/tmp/diag_gemv_{cname}") if a.profile
+                                  else (float("nan"),) * 2)
+                    k_us, p_us = k_us / a.layers, p_us / a.layers
                 except Exception as e:  # a cut Triton cannot compile: said, and the sweep goes on
                     print(f"{name} rows {rows} {cname}: {type(e).__name__}: {str(e).splitlines()[0][:160]}",
                           flush=True)
@@ -89,10 +110,11 @@ def main(argv=None) -> int:
                     want = out
                 err = float(np.abs(out - want).max() / np.abs(want).max())
                 mb = N * K * dtype.itemsize / 1e6
-                results.append(dict(shape=name, N=N, K=K, rows=rows, config=cname, us=us, tb_s=mb / us,
+                results.append(dict(shape=name, N=N, K=K, rows=rows, config=cname, us=us, kernel_us=k_us, product_us=p_us, tb_s=mb / us,
                                     err=err))
-                line.append((us, cname))
-                print(f"{name:10s} {N}x{K} rows {rows:2d} {cname:14s} {us:7.2f} us  {mb / us * 1e3:6.0f} GB/s  "
+                line.append((k_us if a.profile else us, cname))
+                print(f"{name:10s} {N}x{K} rows {rows:2d} {cname:14s} {us:7.2f} us  {mb / us * 1e3:6.0f} GB/s  kernels {k_us:6.2f} us  "
+                      f"products {p_us:6.2f} us {mb / max(p_us, 1e-9) * 1e3:6.0f} GB/s  "
                       f"err {err:.1e}", flush=True)
             line.sort()
             print(f"== {name} rows {rows}: best {line[0][1]} {line[0][0]:.2f} us; xla "

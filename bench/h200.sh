@@ -557,10 +557,10 @@ s17-norms)  # issue #14: the residual stream's norms, one kernel a site (jaxspec
   esac; done ;;
 s18-sweep)  # issue #14: the small products' kernel cut by cut (gemv.Config) against XLA's product at E4B's shapes,
   # rows 4 (verify, bs 1) for every shape and cut, then rows 1 for XLA and the dot cuts (bench/diag_gemv.py)
-  timeout ${SWEEP_TIMEOUT:-330} python3 bench/diag_gemv.py --rows 4 --shapes qkv,o,ple_gate,ple_proj,qkv_global \
+  timeout ${SWEEP_TIMEOUT:-330} python3 bench/diag_gemv.py --rows 4 --shapes qkv,o,ple_gate,ple_proj,qkv_global --profile \
     --json "$OUT/gemv-sweep4.json" > "$OUT/gemv-sweep4.log" 2>&1
   grep "^==\|Error" "$OUT/gemv-sweep4.log"
-  timeout ${SWEEP1_TIMEOUT:-120} python3 bench/diag_gemv.py --rows 1 --shapes qkv,o,ple_gate,ple_proj \
+  timeout ${SWEEP1_TIMEOUT:-120} python3 bench/diag_gemv.py --rows 1 --shapes qkv,o,ple_gate,ple_proj --profile \
     --configs xla,bsum,acc-4x256,dot-16x256-s3,dot-16x512-s3,dot-32x128-s4 \
     --json "$OUT/gemv-sweep1.json" > "$OUT/gemv-sweep1.log" 2>&1
   grep "^==\|Error" "$OUT/gemv-sweep1.log" ;;

@@ -67,7 +67,7 @@ class Config:
     stages: int = 2
 
 
-DEFAULT = Config()
+DEFAULT = Config("dot", 16, 256, 4, 3)
 
 
 def block_rows(N: int) -> int:

@@ -123,7 +123,7 @@ def qkv(w, cfg: TargetConfig, i: int, h, positions, product=gemv.gemv_ref):
     rope = cfg.rope(cfg.layer_types[i])
     if "qkv_proj" in w:  # fuse_qkv's stack: one product; q's rows first, then K's and V's (equal) or K's alone
         out = product(h, w.vec("qkv_proj"))
-        if env_switch("JAXSPEC_JOINT_QK_NORM") is True:
+        if env_switch("JAXSPEC_JOINT_QK_NORM") is not False:
             return joint_qkv(w, cfg, i, out, positions)
         q, kv = out[..., : cfg.num_heads * d], out[..., cfg.num_heads * d:]
         proj = {"q_proj": q, **(dict(zip(("k_proj", "v_proj"), jnp.split(kv, 2, axis=-1))) if cfg.has_v_proj(i)
@@ -144,11 +144,12 @@ def qkv(w, cfg: TargetConfig, i: int, h, positions, product=gemv.gemv_ref):
 
 def joint_qkv(w, cfg: TargetConfig, i: int, out, positions):
     """`qkv` from the fused stack's product out [B, T, (NH + KVH (+ KVH)) d], its heads normed and rotated together
-    (JAXSPEC_JOINT_QK_NORM=1, off by default): q's and k's heads (and v's, with the weightless v-norm) as one [B, T,
-    heads, d] array, each head normed with its own weight (q_norm, k_norm, or 1: exact), then q's and k's heads rotated
+    (on by default; JAXSPEC_JOINT_QK_NORM=0 runs them separately): q's and k's heads (and v's, with the weightless
+    v-norm) as one [B, T, heads, d] array, each head normed with its own weight (q_norm, k_norm, or 1: exact), then q's and k's heads rotated
     at once. Element by element the same operations as `qkv`'s separate ones; XLA gets one reduction and one
     elementwise pass a layer to fuse instead of one of each per q, k and v (E4B's verify step: four to six kernels a
-    layer, ~209 µs a step; BENCHMARKS.md session 16)."""
+    layer, ~209 µs a step; BENCHMARKS.md session 16; session 17 measured 44 launches and 77 µs of kernels fewer a
+    step, the wall time a tie)."""
     B, T, _ = out.shape
     eps, d, NH = cfg.rms_norm_eps, cfg.layer_head_dim(i), cfg.num_heads
     heads = out.reshape(B, T, -1, d)

@@ -1,14 +1,16 @@
 """Pallas (Triton) kernel of a decode step's small products (a few rows times a weight matrix), and its jnp reference
-(`gemv_ref`: `linear`, the CPU path's math and the kernel's test oracle).
+(`gemv_ref`: `linear`, the CPU path's math and the kernel's test oracle). Behind JAXSPEC_GEMV=1, off by default.
 
 With 1 to 16 rows (a decode or verify step at small batch) a product is a stream over its weight: XLA's autotuned GEMM
-splits K to find enough programs for a small N and reduces the split in a second kernel (E4B's verify step: the q/k/v,
-o and per-layer-input products, ~940 µs for ~40 MB of weights in 210 launches, BENCHMARKS.md session 16). Here the
-weight is split over N only, a few rows of it a program (hundreds of programs, each streaming a few KB a chunk, the
-occupancy hiding the loads' latency), each program summing its whole K in fp32 by broadcast and sum (no `tt.dot`,
-whose 16-row tiles would be mostly padding; fp32 stays IEEE fp32, never TF32) and rounding once, as the reference's
-product does. One launch a product, no reduction kernel after it. The weight is read from its stack at a static index
-through the BlockSpec (`Vec`), never sliced out into a copy.
+splits K to find enough programs for a small N and reduces the split in a second kernel. Here the weight is split
+over N only, one launch a product and no reduction kernel after it; each program sums its whole K in fp32 (IEEE fp32
+in fp32, never TF32) and rounds once, as the reference's product does, and a row's result never depends on the other
+rows (the dot cut always pads them to 16). The weight is read from its stack at a static index through the BlockSpec
+(`Vec`), never sliced out into a copy. `Config` picks the cut.
+
+Measured on the H200 (BENCHMARKS.md session 17, `bench/diag_gemv.py`): XLA's products, split-K reduction included, are
+1.1-2x faster than the best cut here at every E4B shape (2.5-3.3 TB/s already), and E4B's verify step was 14% (dot
+cut) to 29% (bsum cut) slower with it. Kept, off, with its tests, as the measured alternative.
 """
 
 from __future__ import annotations

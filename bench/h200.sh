@@ -40,8 +40,9 @@
 # session 15 (issue #14): s16-merged (the in-kernel split merge's GPU lane, then E4B verify / decode / propose with
 # JAXSPEC_ATTN_MERGED 0 and 1 side by side, no GGUF); the GGUF staged (tree cut), then the whole tree with .whl:
 # `s7-convert && s16-ab` (the default pair, the switch 0 against 1); s16-splits (piece counts x where the merge runs).
-# Next: s18 (PARTS=lane, then gemv, then joint: session 16's unmeasured kernels, GPU lane and E4B A/B), then the GPU
-# lane's rest of test_engine.py (TESTS="tests/test_engine.py -k 'not greedy_equals'" TEST_TIMEOUT=480 ... s6-tests).
+# session 17 (issue #14): s18 PARTS=lane, then gemv, then joint (session 16's kernels: GPU lane and E4B A/B), then
+# s18-sweep && PARTS=gemv s18 (the small products' cuts against XLA's at E4B's shapes, then the engine with the dot cut).
+# Next: the GPU lane's rest of test_engine.py (TESTS="tests/test_engine.py -k 'not greedy_equals'" TEST_TIMEOUT=480 ... s6-tests).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u

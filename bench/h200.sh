@@ -565,6 +565,21 @@ s18-sweep)  # issue #14: the small products' kernel cut by cut (gemv.Config) aga
     --configs xla,bsum,acc-4x256,dot-16x256-s3,dot-16x512-s3,dot-32x128-s4 \
     --json "$OUT/gemv-sweep1.json" > "$OUT/gemv-sweep1.log" 2>&1
   grep "^==\|Error" "$OUT/gemv-sweep1.log" ;;
+s18-cublas)  # issue #14: XLA's small products through cuBLAS instead of its Triton GEMMs (no split-K reduction kernel?):
+  # the products alone at E4B's shapes (bench/diag_gemv.py, XLA only), then E4B's verify (traced) and decode (bs 1, 4K)
+  # with the XLA flag off and on, side by side in one call
+  local_flag=--xla_gpu_enable_triton_gemm=false
+  for v in 0 1; do f=$([ $v = 1 ] && echo $local_flag)
+    XLA_FLAGS="$f" timeout 60 python3 bench/diag_gemv.py --configs xla --rows 4,1 --shapes qkv,o,ple_gate,ple_proj \
+      --profile --json "$OUT/gemv-xla-cublas$v.json" 2>&1 | grep "^[a-z]" | cut -c1-150
+    XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true $f" timeout 100 python3 -m jaxspec.bench verify \
+      --bs 1 --profile-dir /tmp/cb$v --json "$OUT/verify-cublas$v-experiment.json" > "$OUT/verify-cublas$v.log" 2>&1
+    timeout 60 python3 -m jaxspec.bench trace /tmp/cb$v --rounds 20 --top 900 --json "$OUT/trace-verify-cublas$v.json" \
+      >> "$OUT/verify-cublas$v.log" 2>&1
+    XLA_FLAGS="$f" timeout 90 python3 -m jaxspec.bench decode --bs 1 --cache paged \
+      --json "$OUT/decode-cublas$v-experiment.json" > "$OUT/decode-cublas$v.log" 2>&1
+    echo "== triton gemm off: $v"; grep -h "^step of\|launches\|Error" "$OUT/verify-cublas$v.log" "$OUT/decode-cublas$v.log"
+  done ;;
 s18)  # issue #14 (next): the kernels built in session 16 and not yet measured or GPU-tested, each off by default.
   # PARTS (default "lane gemv joint"; one or two a call): lane, their GPU lane (the small products' kernel and the
   # norms kernel v2 against their references, the joint q/k norm against transformers on the six oracle checkpoints,

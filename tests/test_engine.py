@@ -54,7 +54,6 @@ LOSSLESS = [
 ]
 
 
-@pytest.mark.xdist_group("lossless")  # one worker under -n: `plain_reference` computed once
 @pytest.mark.parametrize("k,mode,head,running,pages,buckets,kernels,rounds,overlap", LOSSLESS)
 def test_speculative_greedy_is_lossless(plain_reference, k, mode, head, running, pages, buckets, kernels, rounds,
                                         overlap):

@@ -31,7 +31,7 @@ from jaxspec.model import gemma4  # noqa: E402
 from jaxspec.model import gguf  # noqa: E402
 from jaxspec.model.weights import load_target  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gguf")]  # one worker: the model fixtures once
+pytestmark = pytest.mark.slow
 TOL = 5e-4
 SHORT_LEN = 40  # short prompts and the greedy run share one compiled forward of this length
 

@@ -17,8 +17,6 @@ import pytest
 
 from conftest import golden_path
 
-pytestmark = pytest.mark.xdist_group("parallel")  # one worker under -n: the module's fixture built once
-
 SCRIPT = r"""
 import collections, json, re, sys
 import jax

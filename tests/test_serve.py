@@ -18,8 +18,6 @@ import pytest
 
 from conftest import golden_path
 
-pytestmark = pytest.mark.xdist_group("serve")  # one worker under -n: the module's fixtures built once
-
 ENGINE = ["--assistant", golden_path("e2b", "assistant"), "--draft-bs", "8", "--max-running-requests", "8",
           "--page-size", "4", "--max-context", "128", "--prefill-chunk", "8"]
 TEMPLATE = "{% for m in messages %}w10 {{ m['content'] }} w11 {% endfor %}{% if add_generation_prompt %}w12{% endif %}"

@@ -17,7 +17,6 @@ import argparse
 import json
 import shutil
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,8 @@ import numpy as np
 
 from jaxspec.pallas.gemv import Config, gemv, gemv_ref
 from jaxspec.pallas.row_norms import Vec
+
+from diag_splits import median_us  # noqa: E402 (bench/ is the script's first path)
 
 SHAPES = {"qkv": (3072, 2560), "o": (2560, 2048), "ple_gate": (256, 2560), "ple_proj": (2560, 256),
           "qkv_global": (6144, 2560), "q_shared": (2048, 2560), "tiny": (64, 128)}
@@ -35,15 +36,6 @@ CONFIGS = {
     **{f"dot-{bn}x{bk}-s{s}": Config("dot", bn, bk, 4, s) for bn, bk, s in ((16, 256, 3), (16, 256, 4), (16, 512, 3),
                                                                           (32, 128, 4), (32, 256, 3), (64, 128, 4))},
 }
-
-
-def median_us(run, inputs, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(*inputs))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e6
 
 
 def kernel_us(run, inputs, iters: int, directory: str) -> tuple[float, float]:

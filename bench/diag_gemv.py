@@ -29,12 +29,10 @@ from diag_splits import median_us  # noqa: E402 (bench/ is the script's first pa
 
 SHAPES = {"qkv": (3072, 2560), "o": (2560, 2048), "ple_gate": (256, 2560), "ple_proj": (2560, 256),
           "qkv_global": (6144, 2560), "q_shared": (2048, 2560), "tiny": (64, 128)}
-CONFIGS = {
+CONFIGS = {  # XLA's product, then the kernel's cut at several sizes (the two other cuts session 17 measured: a5c92fb)
     "xla": None,
-    "bsum": Config(),
-    **{f"acc-{bn}x{bk}": Config("acc", bn, bk, 4, 2) for bn, bk in ((4, 256), (8, 256), (2, 512), (4, 512))},
-    **{f"dot-{bn}x{bk}-s{s}": Config("dot", bn, bk, 4, s) for bn, bk, s in ((16, 256, 3), (16, 256, 4), (16, 512, 3),
-                                                                          (32, 128, 4), (32, 256, 3), (64, 128, 4))},
+    **{f"dot-{bn}x{bk}-s{s}": Config(bn, bk, 4, s) for bn, bk, s in ((16, 256, 3), (16, 256, 4), (16, 512, 3),
+                                                                  (32, 128, 4), (32, 256, 3), (64, 128, 4))},
 }
 
 

@@ -76,12 +76,14 @@ def test_gemv_rows_do_not_depend_on_the_others():
 
 
 def test_gemv_falls_back_outside_its_shapes():
-    """3 rows (not a power of two), 32 rows, a weight in another dtype, K not in 16-column chunks: the reference."""
+    """3 rows (not a power of two), 32 rows, a weight in another dtype, K or N not in chunks of 16: the reference."""
     w = Vec(jax.ShapeDtypeStruct((2, 64, 32), jnp.bfloat16), (0,))
     for shape, dtype in [((1, 3, 32), jnp.bfloat16), ((2, 16, 32), jnp.bfloat16), ((1, 4, 32), jnp.float32)]:
         assert not gemv_mod.supported(jax.ShapeDtypeStruct(shape, dtype), w)
     assert not gemv_mod.supported(jax.ShapeDtypeStruct((1, 4, 24), jnp.bfloat16),
                                   Vec(jax.ShapeDtypeStruct((2, 64, 24), jnp.bfloat16), (0,)))
+    assert not gemv_mod.supported(jax.ShapeDtypeStruct((1, 4, 32), jnp.bfloat16),
+                                  Vec(jax.ShapeDtypeStruct((2, 24, 32), jnp.bfloat16), (0,)))
     x, ws = operands(jnp.float32, 3, 64, 32)
     np.testing.assert_array_equal(gemv(x, Vec(ws, (1,))), gemv_ref(x, Vec(ws, (1,))))  # the very same function
 

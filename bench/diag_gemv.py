@@ -100,12 +100,16 @@ def main(argv=None) -> int:
                     want = out
                 err = float(np.abs(out - want).max() / np.abs(want).max())
                 mb = N * K * dtype.itemsize / 1e6
-                results.append(dict(shape=name, N=N, K=K, rows=rows, config=cname, us=us, kernel_us=k_us, product_us=p_us, tb_s=mb / us,
-                                    err=err))
+                results.append(dict(shape=name, N=N, K=K, rows=rows, config=cname, us=us, kernel_us=k_us,
+                                    product_us=p_us, tb_s=mb / us, err=err))
                 line.append((k_us if a.profile else us, cname))
-                print(f"{name:10s} {N}x{K} rows {rows:2d} {cname:14s} {us:7.2f} us  {mb / us * 1e3:6.0f} GB/s  kernels {k_us:6.2f} us  "
-                      f"products {p_us:6.2f} us {mb / max(p_us, 1e-9) * 1e3:6.0f} GB/s  "
-                      f"err {err:.1e}", flush=True)
+                # products 0: no kernel named as a product (XLA's 1-row product is a reduction fusion): read the
+                # chain's kernels instead
+                rate = f"{mb / p_us * 1e3:6.0f} GB/s" if p_us > 0 else "     - GB/s"
+                print(f"{name:10s} {N}x{K} rows {rows:2d} {cname:14s} {us:7.2f} us  {mb / us * 1e3:6.0f} GB/s  "
+                      f"kernels {k_us:6.2f} us  products {p_us:6.2f} us {rate}  err {err:.1e}", flush=True)
+            if not line:
+                continue
             line.sort()
             print(f"== {name} rows {rows}: best {line[0][1]} {line[0][0]:.2f} us; xla "
                   f"{next((u for u, c in line if c == 'xla'), float('nan')):.2f} us", flush=True)

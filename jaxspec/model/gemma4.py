@@ -145,11 +145,11 @@ def qkv(w, cfg: TargetConfig, i: int, h, positions, product=gemv.gemv_ref):
 def joint_qkv(w, cfg: TargetConfig, i: int, out, positions):
     """`qkv` from the fused stack's product out [B, T, (NH + KVH (+ KVH)) d], its heads normed and rotated together
     (on by default; JAXSPEC_JOINT_QK_NORM=0 runs them separately): q's and k's heads (and v's, with the weightless
-    v-norm) as one [B, T, heads, d] array, each head normed with its own weight (q_norm, k_norm, or 1: exact), then q's and k's heads rotated
-    at once. Element by element the same operations as `qkv`'s separate ones; XLA gets one reduction and one
-    elementwise pass a layer to fuse instead of one of each per q, k and v (E4B's verify step: four to six kernels a
-    layer, ~209 µs a step; BENCHMARKS.md session 16; session 17 measured 44 launches and 77 µs of kernels fewer a
-    step, the wall time a tie)."""
+    v-norm) as one [B, T, heads, d] array, each head normed with its own weight (q_norm, k_norm, or 1: exact), then
+    q's and k's heads rotated at once. Element by element the same operations as `qkv`'s separate ones; XLA gets one
+    reduction and one elementwise pass a layer to fuse instead of one of each per q, k and v (E4B's verify step: four
+    to six kernels a layer, ~209 µs a step; BENCHMARKS.md session 16; session 17 measured 44 launches and 77 µs of
+    kernels fewer a step, the wall time a tie)."""
     B, T, _ = out.shape
     eps, d, NH = cfg.rms_norm_eps, cfg.layer_head_dim(i), cfg.num_heads
     heads = out.reshape(B, T, -1, d)

@@ -34,6 +34,7 @@ warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated
 
 pallas_call = pl.pallas_call  # (a module name, so that tests can watch the kernel's calls)
 MAX_ROWS = 16
+DOT_ROWS = 16  # `tt.dot`'s smallest tile of rows
 
 
 def gemv_ref(x, w: Vec):
@@ -81,8 +82,6 @@ def _kernel(x_ref, w_ref, o_ref, *, block_k: int):
     acc = lax.fori_loop(0, x_ref.shape[1] // block_k, body, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
 
-
-DOT_ROWS = 16  # `tt.dot`'s smallest tile of rows
 
 
 def gemv(x, w: Vec, *, interpret: bool | None = None, config: Config | None = None):

@@ -232,8 +232,9 @@ s6-stage)  # keep what this call carried (a part of the GGUF, .whl, .tok, .dist)
   mkdir -p /root/carry; for d in .gg* .whl .tok .dist; do [ -e "$d" ] && cp -r "$d" "/root/carry/"; done
   du -ab /root/carry; df -h /root | tail -1 ;;
 s6-tests)  # issue #13's GPU lane again: the round tests against transformers' greedy (Triton kernels, fp32)
-  timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider -s ${TESTS:-tests/test_rounds.py} \
-    > "$OUT/tests.txt" 2>&1
+  # (TESTS: the files; K: pytest's -k expression, e.g. K="not greedy_equals")
+  timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -rA -p no:cacheprovider -s ${TESTS:-tests/test_rounds.py} \
+    ${K:+-k "$K"} > "$OUT/tests.txt" 2>&1
   grep -E "passed|failed|Error" "$OUT/tests.txt" | tail -15 ;;
 s6-distill)  # issue #17: assemble and convert the GGUF (tokenizer from .tok), distill a drafter on the mixed corpus
   # (.dist/mixed.jsonl.xz from `python -m jaxspec.corpus`) with early stopping, pack it under $OUT/packed
@@ -580,6 +581,23 @@ s18-cublas)  # issue #14: XLA's small products through cuBLAS instead of its Tri
       --json "$OUT/decode-cublas$v-experiment.json" > "$OUT/decode-cublas$v.log" 2>&1
     echo "== triton gemm off: $v"; grep -h "^step of\|launches\|Error" "$OUT/verify-cublas$v.log" "$OUT/decode-cublas$v.log"
   done ;;
+s19-flags)  # issue #14: XLA's own knobs on E4B's bs-1 steps, one process per flag set, side by side in one call:
+  # FLAGSETS (`;`-separated XLA_FLAGS sets, "default" = none; the default twice, first and last, shows the call's drift):
+  # verify (4 positions), decode (1, paged), propose (k 3), bs 1, 4K; a set's files are tagged f0, f1, ... in order and
+  # packed into $OUT/flags.tgz after each set (what finished comes back if the call is cut short)
+  IFS=';' read -ra sets <<< "${FLAGSETS:-default;--xla_gpu_enable_pdl=false;--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true;--xla_gpu_enable_split_k_autotuning=false}"
+  i=0; o=/tmp/flags-out; mkdir -p $o
+  for s in "${sets[@]}"; do f=$([ "$s" = default ] && echo "" || echo "$s")
+    x=$([ -n "$f" ] && echo "-experiment" || echo "")
+    echo "== f$i XLA_FLAGS=$f" | tee -a "$OUT/flags.log"
+    for b in ${BENCHES:-verify decode propose}; do
+      case $b in
+      verify) a="verify --bs 1" ;; decode) a="decode --bs 1 --cache paged" ;;
+      propose) a="propose --bs 1 --ctx 4096 --variants bucketed" ;; esac
+      XLA_FLAGS="$f" timeout ${FLAG_TIMEOUT:-100} python3 -m jaxspec.bench $a --json "$o/$b-f$i$x.json" \
+        > "$o/$b-f$i.log" 2>&1
+      grep -h "^step of\|^propose ctx\|Error\|error:" "$o/$b-f$i.log" | head -3 | tee -a "$OUT/flags.log"
+    done; i=$((i+1)); tar czf "$OUT/flags.tgz" -C $o .; done ;;
 s18)  # issue #14 (next): the kernels built in session 16 and not yet measured or GPU-tested, each off by default.
   # PARTS (default "lane gemv joint"; one or two a call): lane, their GPU lane (the small products' kernel and the
   # norms kernel v2 against their references, the joint q/k norm against transformers on the six oracle checkpoints,

@@ -42,7 +42,13 @@
 # `s7-convert && s16-ab` (the default pair, the switch 0 against 1); s16-splits (piece counts x where the merge runs).
 # session 17 (issue #14): s18 PARTS=lane, then gemv, then joint (session 16's kernels: GPU lane and E4B A/B), then
 # s18-sweep && PARTS=gemv s18 (the small products' cuts against XLA's at E4B's shapes, then the engine with the dot cut).
-# Next: the GPU lane's rest of test_engine.py (TESTS="tests/test_engine.py -k 'not greedy_equals'" TEST_TIMEOUT=480 ... s6-tests).
+# session 18 (issues #14, #17): s19-flags (XLA flag sets side by side: PDL, the command-buffer scheduling modes), the GPU
+# lane's rest of test_engine.py (`TESTS=tests/test_engine.py K="not greedy_equals" ... s6-tests`) and test_gemv.py.
+# Next (issue #17, a smaller drafter on ~3.9x the data): here `PARTS=10 bash bench/stage.sh` (.gg0-.gg9, .whl, .dist),
+# then on one warm machine, chained: s6-stage with .gg0 and .whl, s6-stage with each of .gg1-.gg9 (.dist with the
+# last), `s7-convert && s19-data`, `TAG=l2 DISTILL_ARGS="--assistant-layers 2" ... s19-train`, `TAG=l4 ... s19-train`,
+# `TAGS="l2 l4" KS=4,5 ... s19-e2e`; and FLAGSETS="default;--xla_gpu_command_buffer_scheduling_mode=CONCURRENT" with
+# the default pair end to end.
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -580,6 +586,34 @@ s18-cublas)  # issue #14: XLA's small products through cuBLAS instead of its Tri
     [ -n "${DECODE:-}" ] && XLA_FLAGS="$f" timeout 90 python3 -m jaxspec.bench decode --bs 1 --cache paged \
       --json "$OUT/decode-cublas$v-experiment.json" > "$OUT/decode-cublas$v.log" 2>&1
     echo "== triton gemm off: $v"; grep -h "^step of\|launches\|Error" "$OUT/verify-cublas$v.log" "$OUT/decode-cublas$v.log"
+  done ;;
+s19-data)  # issue #17 (next): the target's greedy continuations of a corpus ~3.9x session 8's (after s7-convert), carried
+  # as .dist/mixed.jsonl.xz from `python -m jaxspec.corpus --model <the 270M> --out mixed.jsonl --max-per-source 0
+  # --stride 32` (every source whole, prompts every 32 tokens), into /root/conts.npz; a later call adds to the file
+  [ -e .dist ] && xz -dc .dist/mixed.jsonl.xz > /root/mixed.jsonl
+  timeout ${DATA_TIMEOUT:-590} python3 -m jaxspec.distill --model /root/gemma-3-270m --out /root/asst \
+    --prompts /root/mixed.jsonl --continuations /root/conts.npz --data-only --time-limit ${DATA_LIMIT:-540} \
+    --num-prompts 1000000 --num-heldout 384 --gen-batch 1024 > "$OUT/data.log" 2>&1
+  tail -3 "$OUT/data.log" ;;
+s19-train)  # issue #17 (next): a drafter TAG (DISTILL_ARGS: e.g. "--assistant-layers 2") trained on every prompt of
+  # s19-data's continuations, early stopping on the held-out accept length; its training state in /root/ckpt-TAG (a
+  # later call with the same TAG resumes), the drafter in /root/asst-TAG, its packed form under $OUT/packed-TAG
+  t=${TAG:-l4}
+  timeout ${TRAIN_TIMEOUT:-590} python3 -m jaxspec.distill --model /root/gemma-3-270m --out /root/asst-$t \
+    --packed-out "$OUT/packed-$t" --prompts /root/mixed.jsonl --continuations /root/conts.npz --num-prompts 1000000 \
+    --num-heldout 384 --gen-batch 1024 --k 4 --batch 64 --eval-every 1000 --patience 3 --steps 60000 \
+    --ckpt-dir /root/ckpt-$t --ckpt-every 2000 --quiet ${DISTILL_ARGS:-} --time-limit ${TRAIN_LIMIT:-520} \
+    > "$OUT/distill-$t.log" 2>&1
+  cp /root/asst-$t/distill.json "$OUT/distill-$t.json" 2>/dev/null; tail -4 "$OUT/distill-$t.log" ;;
+s19-e2e)  # issue #17 (next): the default pair at bs 1 on 16 held-out prompts, 128 new tokens, R 4: plain, the shipped
+  # drafter and each trained one (TAGS, from s19-train) at each k in KS, side by side in one call
+  A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
+  for t in shipped ${TAGS:-l2 l4}; do a=$([ $t = shipped ] && echo "$A" || echo /root/asst-$t)
+    timeout ${E2E_TIMEOUT:-200} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$a" \
+      --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 \
+      --modes $([ $t = shipped ] && echo off,bucketed || echo bucketed) -k ${KS:-4,5} --rounds-per-call 4 \
+      --overlap on --json "$OUT/e2e-270m-$t$([ $t = shipped ] || echo -experiment).json" > "$OUT/e2e-270m-$t.log" 2>&1
+    echo "== $t"; grep -h "^e2e bs\|Error" "$OUT/e2e-270m-$t.log" | head -8
   done ;;
 s19-flags)  # issue #14: XLA's own knobs on E4B's bs-1 steps, one process per flag set, side by side in one call:
   # FLAGSETS (`;`-separated XLA_FLAGS sets, "default" = none; the default twice, first and last, shows the call's drift):

@@ -164,6 +164,27 @@ def test_a_broken_mask_fails_the_comparison(tiny, engine_drafts, monkeypatch, br
     assert np.mean(np.any(got != want, axis=1)) >= 0.5
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_dataset_rows_are_the_teacher_forward_of_each_sequence(tiny, monkeypatch, broken):
+    """build_dataset writes each batch's rows into the full-size set in place: 13 sequences in batches of 4 (the last
+    one partial) hold the rows of one teacher forward over all 13 together. Broken variant: every batch written at
+    row 0 (the start ignored) fails."""
+    t = tiny
+    if broken:
+        real = data_mod._put_rows
+        monkeypatch.setattr(data_mod, "_put_rows", lambda data, part, start: real(data, part, jnp.int32(0)))
+    types = tuple(sorted(set(t["acfg"].text.layer_types)))
+    got = build_dataset(t["params"], t["cfg"], t["prompts"][:13], NEW, types, 4)
+    want = data_mod._teacher(t["params"], t["cfg"], got["tokens"], types)
+    assert sorted(want) == sorted(k for k in got if k not in ("tokens", "prompt_len", "end"))
+    close = all(np.allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-5) for k in want)
+    assert close != broken
+    if not broken:  # the same sequences in one batch of 16 (padded) give the same set
+        again = build_dataset(t["params"], t["cfg"], t["prompts"][:13], NEW, types, 16)
+        for k in want:
+            np.testing.assert_allclose(np.asarray(again[k]), np.asarray(got[k]), rtol=1e-5, atol=1e-5)
+
+
 def test_reduced_head_is_the_full_zero_filled_head(tiny):
     """CE and greedy token from the kept rows equal those of the materialised V-wide logits (zeros elsewhere),
     including rows where every kept logit is negative (a zero row, the lowest free id, wins)."""

@@ -620,7 +620,7 @@ s19-flags)  # issue #14: XLA's own knobs on E4B's bs-1 steps, one process per fl
   # verify (4 positions), decode (1, paged), propose (k 3), bs 1, 4K; a set's files are tagged f0, f1, ... in order and
   # packed into $OUT/flags.tgz after each set (what finished comes back if the call is cut short)
   IFS=';' read -ra sets <<< "${FLAGSETS:-default;--xla_gpu_enable_pdl=false;--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true;--xla_gpu_enable_split_k_autotuning=false}"
-  i=0; o=/tmp/flags-out; mkdir -p $o
+  i=0; o=/tmp/flags-out; rm -rf $o; mkdir -p $o  # (a warm machine keeps /tmp between calls)
   for s in "${sets[@]}"; do f=$([ "$s" = default ] && echo "" || echo "$s")
     x=$([ -n "$f" ] && echo "-experiment" || echo "")
     echo "== f$i XLA_FLAGS=$f" | tee -a "$OUT/flags.log"

@@ -48,7 +48,7 @@
 # then on one warm machine, chained: s6-stage with .gg0 and .whl, s6-stage with each of .gg1-.gg9 (.dist with the
 # last), `s7-convert && s19-data`, `TAG=l2 DISTILL_ARGS="--assistant-layers 2" ... s19-train`, `TAG=l4 ... s19-train`,
 # `TAGS="l2 l4" KS=4,5 ... s19-e2e`; and FLAGSETS="default;--xla_gpu_command_buffer_scheduling_mode=CONCURRENT" with
-# the default pair end to end.
+# the default pair end to end; s19-split (issue #14: the o and down split-K reductions fused into the norm, 2 min).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -615,6 +615,12 @@ s19-e2e)  # issue #17 (next): the default pair at bs 1 on 16 held-out prompts, 1
       --overlap on --json "$OUT/e2e-270m-$t$([ $t = shipped ] || echo -experiment).json" > "$OUT/e2e-270m-$t.log" 2>&1
     echo "== $t"; grep -h "^e2e bs\|Error" "$OUT/e2e-270m-$t.log" | head -8
   done ;;
+s19-split)  # issue #14 (next): the o and down products' split-K written out (bench/diag_split.py: the weight in S pieces,
+  # one batched product, the pieces summed inside the residual norm's fusion) against XLA's own product and its split-K
+  # reduction kernel, E4B's shapes at 4 and 1 rows, chains of 8 layers, profiled: µs and kernels a layer
+  cd bench && timeout ${SPLIT_TIMEOUT:-200} python3 diag_split.py --sites o,down --rows 4,1 --splits 0,4,8,16 --profile \
+    --json "$OUT/diag-split.json" > "$OUT/diag-split.log" 2>&1; cd ..
+  grep -v "^W\|^I" "$OUT/diag-split.log" | tail -20 ;;
 s19-flags)  # issue #14: XLA's own knobs on E4B's bs-1 steps, one process per flag set, side by side in one call:
   # FLAGSETS (`;`-separated XLA_FLAGS sets, "default" = none; the default twice, first and last, shows the call's drift):
   # verify (4 positions), decode (1, paged), propose (k 3), bs 1, 4K; a set's files are tagged f0, f1, ... in order and

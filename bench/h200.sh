@@ -48,7 +48,8 @@
 # then on one warm machine, chained: s6-stage with .gg0 and .whl, s6-stage with each of .gg1-.gg9 (.dist with the
 # last), `s7-convert && s19-data`, `TAG=l2 DISTILL_ARGS="--assistant-layers 2" ... s19-train`, `TAG=l4 ... s19-train`,
 # `TAGS="l2 l4" KS=4,5 ... s19-e2e`; and FLAGSETS="default;--xla_gpu_command_buffer_scheduling_mode=CONCURRENT" with
-# the default pair end to end; s19-split (issue #14: the o and down split-K reductions fused into the norm, 2 min).
+# the default pair end to end; s19-split (issue #14: the o and down split-K reductions fused into the norm, 2 min;
+# SPLIT_AB=1 adds JAXSPEC_SPLIT_PRODUCTS's GPU lane and E4B's verify, decode and propose with it 0 and 1).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -620,7 +621,11 @@ s19-split)  # issue #14 (next): the o and down products' split-K written out (be
   # reduction kernel, E4B's shapes at 4 and 1 rows, chains of 8 layers, profiled: µs and kernels a layer
   cd bench && timeout ${SPLIT_TIMEOUT:-200} python3 diag_split.py --sites o,down --rows 4,1 --splits 0,4,8,16 --profile \
     --json "$OUT/diag-split.json" > "$OUT/diag-split.log" 2>&1; cd ..
-  grep -v "^W\|^I" "$OUT/diag-split.log" | tail -20 ;;
+  grep -v "^W\|^I" "$OUT/diag-split.log" | tail -20
+  [ "${SPLIT_AB:-0}" = 1 ] || exit 0  # SPLIT_AB=1: then the engine's switch, its GPU lane and E4B side by side
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_rounds.py \
+    -k "split" > "$OUT/tests-split.txt" 2>&1; grep -E "passed|failed" "$OUT/tests-split.txt" | tail -2
+  ab_e4b JAXSPEC_SPLIT_PRODUCTS sp ;;
 s19-flags)  # issue #14: XLA's own knobs on E4B's bs-1 steps, one process per flag set, side by side in one call:
   # FLAGSETS (`;`-separated XLA_FLAGS sets, "default" = none; the default twice, first and last, shows the call's drift):
   # verify (4 positions), decode (1, paged), propose (k 3), bs 1, 4K; a set's files are tagged f0, f1, ... in order and

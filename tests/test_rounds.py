@@ -300,6 +300,20 @@ def test_layer_kernels_engine_equals_transformers_greedy(oracle, monkeypatch):
     assert sorted(set(norms)) == [1, 2] and products and joint
 
 
+def test_split_products_engine_equals_transformers_greedy(oracle, monkeypatch):
+    """JAXSPEC_SPLIT_PRODUCTS=1 (off by default): the engine stores the o and down stacks in pieces of their input
+    (`gemma4.split_products`), and with the kernels (interpreted here) at R 2 with overlap its prefill chunks, drafts
+    and verify steps give transformers' greedy continuations. (Pieces cut from the wrong axis fail the model's
+    comparison: tests/test_model.py::test_split_products_comparison_has_teeth.)"""
+    monkeypatch.setenv("JAXSPEC_SPLIT_PRODUCTS", "1")
+    calls = []
+    real = gemma4.split_linear
+    monkeypatch.setattr(gemma4, "split_linear", lambda *a: calls.append(a[1].shape) or real(*a))
+    got, want = kernels_greedy(oracle)
+    assert got == want
+    assert calls and min(shape[0] for shape in calls) > 1  # traced through the pieces, o's and down's
+
+
 @pytest.mark.parametrize("switch", [None, "0"], ids=["default", "off"])
 def test_fused_qkv_engine_equals_transformers_greedy(oracle, monkeypatch, switch):
     """JAXSPEC_FUSE_QKV (default on, one device): the engine stores one q/k/v stack per layer group, and at R 2 with

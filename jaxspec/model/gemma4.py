@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 from jaxspec.config import SLIDING, ConfigError, TargetConfig, env_switch
 from jaxspec.model.attention import attention
-from jaxspec.model.layers import acc_dtype, apply_rope, gated_mlp, gelu_tanh, linear, moe, rms_norm, softcap, sqrt_scale
+from jaxspec.model.layers import (acc_dtype, apply_rope, gated_mlp, gelu_tanh, linear, mlp_activation, moe, rms_norm,
+                                  softcap, split_linear, split_weight, sqrt_scale)
 from jaxspec.paged_kv.cache import LayerKV, paged_attend
 from jaxspec.paged_kv.metadata import StepMetadata
 from jaxspec.pallas import gemv, row_norms
@@ -99,6 +100,33 @@ def fuse_qkv(params) -> dict:
     return {**params, "layers": groups}
 
 
+SPLIT_PIECES = {"o_proj": 8, "down": 16}  # XLA's own split-K of E4B's o (4-8) and down (16) products at 1-4 rows
+
+
+def split_products(params) -> dict:
+    """params with each layer group's o and down stacks [L, H, K] stored in pieces of their input, `o_proj_split` and
+    `down_split` [L, S, H, K/S] (S = SPLIT_PIECES, or the largest power of two below it dividing K), which
+    `decoder_layer` multiplies with `split_linear`: the pieces' sum then fuses into the residual norm that follows,
+    where XLA's own split-K product sums them in a kernel of its own (84 launches an E4B verify step, BENCHMARKS.md
+    session 16). Off by default (JAXSPEC_SPLIT_PRODUCTS=1, one device): not yet measured on the H200
+    (bench/diag_split.py, `bash bench/h200.sh s19-split`)."""
+    groups = {}
+    for name, group in params["layers"].items():
+        group = dict(group)
+        for part, pieces in SPLIT_PIECES.items():
+            if part in group:
+                K = group[part].shape[-1]
+                while K % pieces:
+                    pieces //= 2
+                group[f"{part}_split"] = split_weight(group.pop(part), pieces)
+        groups[name] = group
+    return {**params, "layers": groups}
+
+
+def is_split(params) -> bool:
+    return any(f"{part}_split" in group for group in params["layers"].values() for part in SPLIT_PIECES)
+
+
 def is_fused(params) -> bool:
     return any("qkv_proj" in group for group in params["layers"].values())
 
@@ -112,8 +140,15 @@ def stored_params(params, tensor_parallel_size: int = 1) -> dict:
         if is_fused(params):
             raise ConfigError("tensor parallelism splits q, k and v by head: it takes the three projection stacks, "
                               "not fused ones (load the weights with JAXSPEC_FUSE_QKV=0)")
+        if is_split(params):
+            raise ConfigError("tensor parallelism splits the o and down projections by their input: it takes their "
+                              "stacks as loaded (load the weights without JAXSPEC_SPLIT_PRODUCTS)")
         return params
-    return params if env_switch("JAXSPEC_FUSE_QKV") is False else fuse_qkv(params)
+    if env_switch("JAXSPEC_FUSE_QKV") is not False:
+        params = fuse_qkv(params)
+    if env_switch("JAXSPEC_SPLIT_PRODUCTS") is True and not is_split(params):
+        params = split_products(params)
+    return params
 
 
 def qkv(w, cfg: TargetConfig, i: int, h, positions, product=gemv.gemv_ref):
@@ -178,9 +213,14 @@ def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, p
     B, T, _ = x.shape
     q, k, v = qkv(w, cfg, i, h, positions, product)
     a, cache = attend(cache, i, q, k, v)
-    x, h = add_norm(product(a.reshape(B, T, -1), w.vec("o_proj")), x, w.vec("norms", 1), w.vec("norms", 2), None, eps)
+    a = a.reshape(B, T, -1)
+    o = split_linear(a, w["o_proj_split"]) if "o_proj_split" in w else product(a, w.vec("o_proj"))
+    x, h = add_norm(o, x, w.vec("norms", 1), w.vec("norms", 2), None, eps)
     residual = x
-    m = gated_mlp(h, w["gate_up"], w["down"])
+    if "down_split" in w:
+        m = split_linear(mlp_activation(h, w["gate_up"]), w["down_split"])
+    else:
+        m = gated_mlp(h, w["gate_up"], w["down"])
     if cfg.enable_moe_block:
         experts = moe(h, residual, w, top_k=cfg.top_k_experts, eps=eps)
         m = rms_norm(m, w["moe_norms"][1], eps) + rms_norm(experts, w["moe_norms"][2], eps)

@@ -50,11 +50,36 @@ def linear(x, w):
     return jnp.einsum("...i,oi->...o", x, w)
 
 
-def gated_mlp(x, gate_up, down):
-    """down(gelu_tanh(gate(x)) * up(x)); gate_up: [2I, H] (gate rows first), down: [H, I]."""
+def mlp_activation(x, gate_up):
+    """gelu_tanh(gate(x)) * up(x) in x's dtype; gate_up: [2I, H] (gate rows first)."""
     gu = linear(x, gate_up)
     g, u = jnp.split(gu.astype(acc_dtype(x.dtype)), 2, axis=-1)  # one rounding, whether fused (jit) or not (eager)
-    return linear((gelu_tanh(g) * u).astype(x.dtype), down)
+    return (gelu_tanh(g) * u).astype(x.dtype)
+
+
+def gated_mlp(x, gate_up, down):
+    """down(gelu_tanh(gate(x)) * up(x)); gate_up: [2I, H] (gate rows first), down: [H, I]."""
+    return linear(mlp_activation(x, gate_up), down)
+
+
+def split_linear(x, pieces):
+    """x @ w.T with w's input columns stored in S pieces, pieces [S, out, in/S] (`split_weight`): one batched product
+    (its batch the piece) of fp32 partials, summed by elementwise adds and rounded once to x's dtype. XLA splits small
+    products over their input itself and sums the pieces in a kernel of its own; written out, the adds can fuse into
+    the consumer (the residual norm after the o and down products), one kernel fewer a product."""
+    S, _, chunk = pieces.shape
+    xs = jnp.moveaxis(x.reshape(*x.shape[:-1], S, chunk), -2, 0)  # [S, ..., in/S]
+    partials = jnp.einsum("s...i,soi->s...o", xs, pieces, preferred_element_type=acc_dtype(x.dtype))
+    total = partials[0]
+    for s in range(1, S):
+        total = total + partials[s]
+    return total.astype(x.dtype)
+
+
+def split_weight(w, pieces: int):
+    """w [..., out, in] as `split_linear` reads it: [..., pieces, out, in / pieces]."""
+    *lead, out, n = w.shape
+    return jnp.moveaxis(w.reshape(*lead, out, pieces, n // pieces), -2, -3)
 
 
 def moe(x, residual, w, *, top_k: int, eps: float):

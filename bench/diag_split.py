@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.model.layers import linear
+from jaxspec.model.layers import linear, split_linear, split_weight
 from jaxspec.pallas.row_norms import Vec, add_norm_ref
 
 from diag_splits import median_us  # noqa: E402 (bench/ is the script's first path)
@@ -34,28 +34,11 @@ SITES = {"o": (2560, 2048), "down": (2560, 10240), "tiny": (64, 256)}
 EPS = 1e-6
 
 
-def split_product(a, w_split):
-    """a [..., K] times w_split [S, N, K/S] (the weight's K in S pieces): the S partial products [S, ..., N] in fp32,
-    one batched product (batch = the piece), their sum left to the caller."""
-    S, _, kc = w_split.shape
-    a_split = jnp.moveaxis(a.reshape(*a.shape[:-1], S, kc), -2, 0)  # [S, ..., K/S]
-    return jnp.einsum("s...k,snk->s...n", a_split, w_split, preferred_element_type=jnp.float32)
-
-
-def summed(partials, dtype):
-    """The pieces' sum as elementwise adds (not a reduce: XLA can fuse adds into the norm's reduction), rounded once,
-    as XLA's own split-K product rounds its output."""
-    total = partials[0]
-    for s in range(1, partials.shape[0]):
-        total = total + partials[s]
-    return total.astype(dtype)
-
-
 def chain(splits: int, layers: int):
     def run(a, x, ws, n1, n2):
         hs = []
         for w in ws:
-            y = linear(a, w) if splits == 0 else summed(split_product(a, w), x.dtype)
+            y = linear(a, w) if splits == 0 else split_linear(a, w)  # as the engine's JAXSPEC_SPLIT_PRODUCTS=1
             x, h = add_norm_ref(y, x, Vec(n1, ()), Vec(n2, ()), None, EPS)
             hs.append(h)
             a = a + (jnp.sum(h[..., :1].astype(jnp.float32)) * 1e-30).astype(a.dtype)
@@ -102,7 +85,7 @@ def main(argv=None) -> int:
             for S in map(int, a.splits.split(",")):
                 if S and K % S:
                     continue
-                stacks = ws if S == 0 else [jnp.moveaxis(w.reshape(N, S, K // S), 1, 0) for w in ws]
+                stacks = ws if S == 0 else [split_weight(w, S) for w in ws]
                 run = chain(S, a.layers)
                 inputs = (act, x, stacks, n1, n2)
                 out = np.asarray(jax.block_until_ready(run(*inputs)), np.float32)

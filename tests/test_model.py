@@ -19,7 +19,7 @@ import pytest
 
 from conftest import golden_path, load_reference
 from jaxspec.config import FULL, SLIDING, PRESETS, ConfigError, Rope
-from jaxspec.model import gemma4
+from jaxspec.model import gemma4, layers
 from jaxspec.model.hf import load_target_config
 from jaxspec.model.weights import count_leaves, global_shapes, layer_shapes, load_target
 
@@ -244,6 +244,21 @@ def test_split_products_equal_transformers(case):
     assert any(g["down_split"].shape[1] > 1 and g["o_proj_split"].shape[1] > 1 for g in groups)  # really in pieces
     logits, hidden, cache = run_dense(cfg, split, ref["prompt_ids"])
     check_against(name, cache, logits, hidden, ref, "", TOL)
+
+
+@pytest.mark.parametrize("rows", [1, 5, layers.SPLIT_MAX_ROWS, layers.SPLIT_MAX_ROWS + 3])
+def test_split_linear_equals_linear(rows):
+    """split_linear over split_weight's pieces is x @ w.T (fp32, to rounding), for the rows of a decode or verify step
+    (the batched pieces) and of a prefill chunk (one product over both axes); pieces cut from w's rows instead of its
+    input columns do not give it."""
+    kx, kw = jax.random.split(jax.random.PRNGKey(rows))
+    x, w = jax.random.normal(kx, (1, rows, 256)), jax.random.normal(kw, (96, 256))
+    want = np.asarray(layers.linear(x, w))
+    for pieces in (1, 4, 16):
+        got = np.asarray(layers.split_linear(x, layers.split_weight(w, pieces)))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    wrong = np.asarray(layers.split_linear(x, w.reshape(4, 96, 64)))
+    assert np.max(np.abs(wrong - want)) > 1.0
 
 
 def test_split_products_comparison_has_teeth():

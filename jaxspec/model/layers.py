@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,12 +64,18 @@ def gated_mlp(x, gate_up, down):
     return linear(mlp_activation(x, gate_up), down)
 
 
+SPLIT_MAX_ROWS = 128  # split_linear's pieces for at most this many rows (decode and verify steps), one product above
+
+
 def split_linear(x, pieces):
-    """x @ w.T with w's input columns stored in S pieces, pieces [S, out, in/S] (`split_weight`): one batched product
-    (its batch the piece) of fp32 partials, summed by elementwise adds and rounded once to x's dtype. XLA splits small
-    products over their input itself and sums the pieces in a kernel of its own; written out, the adds can fuse into
-    the consumer (the residual norm after the o and down products), one kernel fewer a product."""
+    """x @ w.T with w's input columns stored in S pieces, pieces [S, out, in/S] (`split_weight`). Up to SPLIT_MAX_ROWS
+    rows: one batched product (its batch the piece) of fp32 partials, summed by elementwise adds and rounded once to
+    x's dtype. XLA splits such small products over their input itself and sums the pieces in a kernel of its own;
+    written out, the adds can fuse into the consumer (the residual norm after the o and down products), one kernel
+    fewer a product. More rows (prefill chunks): one product over both the piece and its columns, no partials."""
     S, _, chunk = pieces.shape
+    if math.prod(x.shape[:-1]) > SPLIT_MAX_ROWS:
+        return jnp.einsum("...si,soi->...o", x.reshape(*x.shape[:-1], S, chunk), pieces)
     xs = jnp.moveaxis(x.reshape(*x.shape[:-1], S, chunk), -2, 0)  # [S, ..., in/S]
     partials = jnp.einsum("s...i,soi->s...o", xs, pieces, preferred_element_type=acc_dtype(x.dtype))
     total = partials[0]

@@ -133,9 +133,10 @@ def is_fused(params) -> bool:
 
 def stored_params(params, tensor_parallel_size: int = 1) -> dict:
     """The target's weights as the engine stores them: on one device one q/k/v stack per layer group (`fuse_qkv`,
-    unless JAXSPEC_FUSE_QKV=0), split over devices three stacks (the shardings name them). Loaders call it, so that
-    the caller's copy is the engine's and the unfused stacks are not held beside it; the engine calls it again (a
-    no-op on stored weights). ConfigError for fused weights on several devices."""
+    unless JAXSPEC_FUSE_QKV=0) and, with JAXSPEC_SPLIT_PRODUCTS=1, the o and down stacks in pieces (`split_products`);
+    split over devices the stacks as loaded (the shardings name them). Loaders call it, so that the caller's copy is
+    the engine's and the loaded stacks are not held beside it; the engine calls it again (a no-op on stored weights).
+    ConfigError for fused or split weights on several devices."""
     if tensor_parallel_size > 1:
         if is_fused(params):
             raise ConfigError("tensor parallelism splits q, k and v by head: it takes the three projection stacks, "

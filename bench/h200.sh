@@ -619,8 +619,8 @@ s19-e2e)  # issue #17 (next): the default pair at bs 1 on 16 held-out prompts, 1
 s19-split)  # issue #14 (next): the o and down products' split-K written out (bench/diag_split.py: the weight in S pieces,
   # one batched product, the pieces summed inside the residual norm's fusion) against XLA's own product and its split-K
   # reduction kernel, E4B's shapes at 4 and 1 rows, chains of 8 layers, profiled: µs and kernels a layer
-  cd bench && timeout ${SPLIT_TIMEOUT:-200} python3 diag_split.py --sites o,down --rows 4,1 --splits 0,4,8,16 --profile \
-    --json "$OUT/diag-split.json" > "$OUT/diag-split.log" 2>&1; cd ..
+  timeout ${SPLIT_TIMEOUT:-200} python3 bench/diag_split.py --sites o,down --rows 4,1 --splits 0,4,8,16 --profile \
+    --json "$OUT/diag-split.json" > "$OUT/diag-split.log" 2>&1
   grep -v "^W\|^I" "$OUT/diag-split.log" | tail -20
   [ "${SPLIT_AB:-0}" = 1 ] || exit 0  # SPLIT_AB=1: then the engine's switch, its GPU lane and E4B side by side
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_rounds.py \

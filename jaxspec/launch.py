@@ -24,9 +24,9 @@ def add_model_args(p) -> None:
 
 
 def add_engine_args(p) -> None:
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4,
-                   help="draft steps a round (default 4: with the default pair, within 6%% of the fastest k of 1-6 "
-                        "on the H200 at bs 1 (k 6) and on the CPU (k 2), BENCHMARKS.md session 9)")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=5,
+                   help="draft steps a round (default 5: with the default pair at bs 1, the fastest k of 1-6 on the "
+                        "CPU and within 1%% of the fastest (k 6) on the H200, BENCHMARKS.md session 19)")
     p.add_argument("--max-running-requests", type=int, default=16)
     p.add_argument("--draft-mode", choices=("bucketed", "eager", "off"), default="bucketed")
     p.add_argument("--draft-bs", default="1,2,4,8,16,32,64", help="batch-size buckets, e.g. 1,2,4,8")

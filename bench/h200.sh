@@ -44,12 +44,12 @@
 # s18-sweep && PARTS=gemv s18 (the small products' cuts against XLA's at E4B's shapes, then the engine with the dot cut).
 # session 18 (issues #14, #17): s19-flags (XLA flag sets side by side: PDL, the command-buffer scheduling modes), the GPU
 # lane's rest of test_engine.py (`TESTS=tests/test_engine.py K="not greedy_equals" ... s6-tests`) and test_gemv.py.
-# Next (issue #17, a smaller drafter on ~3.9x the data): here `PARTS=10 bash bench/stage.sh` (.gg0-.gg9, .whl, .dist),
-# then on one warm machine, chained: s6-stage with .gg0 and .whl, s6-stage with each of .gg1-.gg9 (.dist with the
-# last), `s7-convert && s19-data`, `TAG=l2 DISTILL_ARGS="--assistant-layers 2" ... s19-train`, `TAG=l4 ... s19-train`,
-# `TAGS="l2 l4" KS=4,5 ... s19-e2e`; and FLAGSETS="default;--xla_gpu_command_buffer_scheduling_mode=CONCURRENT" with
-# the default pair end to end; s19-split (issue #14: the o and down split-K reductions fused into the norm, 2 min;
-# SPLIT_AB=1 adds JAXSPEC_SPLIT_PRODUCTS's GPU lane and E4B's verify, decode and propose with it 0 and 1).
+# session 19 (issues #14, #17): s19-split (tree cut, with .gg0 + .whl), .gg1-.gg3 staged (PARTS=4, tree cut; .dist with
+# .gg3), `s7-convert; s19-data`, `TAG=l2 DISTILL_ARGS="--assistant-layers 2" TRAIN_LIMIT=470 ... s19-train`,
+# `TAGS=l2 KS=3,4,5 ... s19-e2e`; the drafter packed as the default, then on a fresh machine the GGUF staged again and
+# e2e k 1-6 with it. Names under $OUT must not hold commas (the device tool does not bring such files back).
+# Next (issue #14): s20-concurrent (XLA's concurrent command-buffer scheduling end to end and in the GPU lane; the
+# 270M rows need the GGUF staged and s7-convert first, E4B's do not).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -616,6 +616,22 @@ s19-e2e)  # issue #17 (next): the default pair at bs 1 on 16 held-out prompts, 1
       --overlap on --json "$OUT/e2e-270m-$t$([ $t = shipped ] || echo -experiment).json" > "$OUT/e2e-270m-$t.log" 2>&1
     echo "== $t"; grep -h "^e2e bs\|Error" "$OUT/e2e-270m-$t.log" | head -8
   done ;;
+s20-concurrent)  # issue #14 (next): --xla_gpu_command_buffer_scheduling_mode=CONCURRENT (session 18: verify -2.1%,
+  # decode -1.9%, propose -5.9% at bs 1) end to end, side by side with the default twice (default, concurrent, default,
+  # concurrent): E4B bs 1 at a 1K prompt (plain and k 3, R 4) and, where s7-convert left it, the default pair (16
+  # held-out prompts, plain and k 5, R 4); then the GPU lane's greedy-vs-transformers and lossless tests with the flag
+  c=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT
+  for i in 1 2; do for f in default concurrent; do x=$([ $f = concurrent ] && echo "$c" || echo "")
+    XLA_FLAGS="$x" timeout ${E2E_TIMEOUT:-150} python3 -m jaxspec.bench e2e --bs 1 --prompt-len 1024 --modes off,bucketed \
+      -k 3 --rounds-per-call 4 --overlap on --json "$OUT/e2e-e4b-$f$i.json" > "$OUT/e2e-e4b-$f$i.log" 2>&1
+    [ -d /root/gemma-3-270m ] && XLA_FLAGS="$x" timeout ${E2E_TIMEOUT:-150} python3 -m jaxspec.bench e2e \
+      --model /root/gemma-3-270m --assistant "$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir as b; print(b())")" \
+      --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 --modes off,bucketed -k 5 \
+      --rounds-per-call 4 --overlap on --json "$OUT/e2e-270m-$f$i.json" > "$OUT/e2e-270m-$f$i.log" 2>&1
+    echo "== $f $i"; grep -h "^e2e bs\|Error" "$OUT"/e2e-*-$f$i.log; done; done
+  XLA_FLAGS="$c" timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_rounds.py \
+    tests/test_engine.py::test_speculative_greedy_is_lossless > "$OUT/tests-concurrent.txt" 2>&1
+  grep -E "passed|failed" "$OUT/tests-concurrent.txt" | tail -2 ;;
 s19-split)  # issue #14 (next): the o and down products' split-K written out (bench/diag_split.py: the weight in S pieces,
   # one batched product, the pieces summed inside the residual norm's fusion) against XLA's own product and its split-K
   # reduction kernel, E4B's shapes at 4 and 1 rows, chains of 8 layers, profiled: µs and kernels a layer

@@ -616,6 +616,42 @@ s19-e2e)  # issue #17 (next): the default pair at bs 1 on 16 held-out prompts, 1
       --overlap on --json "$OUT/e2e-270m-$t$([ $t = shipped ] || echo -experiment).json" > "$OUT/e2e-270m-$t.log" 2>&1
     echo "== $t"; grep -h "^e2e bs\|Error" "$OUT/e2e-270m-$t.log" | head -8
   done ;;
+s20-io)  # issue #14: what moved buffers cost a call. XLA re-records every CUDA-graph node that touches a buffer whose
+  # address changed since the last call (session 10: 140 of the bs-1 propose's 207 nodes, ~300 µs); fresh outputs
+  # move every call, and temporaries share their allocations. The stable variants keep every address: inputs already on
+  # the device, outputs written into the donated buffers of the last call (session 10's attempt at this donated
+  # nothing: jit drops an argument the program does not read, and a dropped argument is not donated). Side by side in
+  # one call: the GPU test of the donated outputs, propose bs 1 and 64 (bucketed, stable), verify bs 1 and 16 and decode
+  # bs 1 (paged, paged-stable); then XLA's own count of re-recorded nodes a call (its log) for each. All under $o,
+  # packed into $OUT/io.tgz after each step. IO_STEPS: "bench" (the tests and the figures), "vlog" (the counts); both
+  # by default (two calls if the compiles are cold: the second finds them in the persistent cache)
+  o=/tmp/io-out; mkdir -p $o
+  if [[ " ${IO_STEPS:-bench vlog} " == *" bench "* ]]; then
+  timeout ${IO_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_drafter.py \
+    -k "donated or changing_tables" > $o/tests-io.txt 2>&1
+  grep -E "passed|failed" $o/tests-io.txt | tail -2 | tee -a $o/io.log
+  for b in propose verify decode; do
+    case $b in propose) a="propose --bs 1,64 --ctx 4096 --variants bucketed,stable" ;;
+    verify) a="verify --bs 1,16 --cache paged,paged-stable" ;; decode) a="decode --bs 1 --cache paged,paged-stable" ;;
+    esac
+    timeout ${IO_TIMEOUT:-150} python3 -m jaxspec.bench $a --json "$o/$b-io.json" > "$o/$b-io.log" 2>&1
+    grep -h "^step of\|^propose ctx\|Error\|error:" "$o/$b-io.log" | head -6 | tee -a $o/io.log
+    tar czf "$OUT/io.tgz" -C $o .; done; fi
+  [[ " ${IO_STEPS:-bench vlog} " == *" vlog "* ]] || { cp $o/io.log "$OUT/io.log"; exit 0; }
+  vm=command_buffer_thunk=3,command_executor=2
+  for v in "propose --bs 1 --ctx 4096 --variants bucketed" "propose --bs 1 --ctx 4096 --variants stable" \
+           "verify --bs 1 --cache paged" "verify --bs 1 --cache paged-stable"; do
+    t=$(echo "$v" | awk '{print $1"-"$NF}')
+    TF_CPP_VMODULE=$vm timeout ${IO_VLOG_TIMEOUT:-120} python3 -m jaxspec.bench $v --iters 20 \
+      --json "$o/vlog-$t-experiment.json" > "$o/vlog-$t.log" 2>&1
+    echo "== $t: $(grep -h '^step of\|^propose ctx' "$o/vlog-$t.log" | head -1)" | tee -a $o/io.log
+    grep -oE "Updated [0-9]+ commands in [0-9]+ [^ ]+ \(skipped [0-9]+" "$o/vlog-$t.log" | sed -E 's/in [0-9]+ /in N /' \
+      | sort | uniq -c | sort -rn | head -4 | tee -a $o/io.log
+    grep -oE "Updated [0-9]+ commands in [0-9]+" "$o/vlog-$t.log" | awk '{s+=$NF; n++} END {if (n) printf \
+      "  %d updates, mean %.0f us\n", n, s/n}' | tee -a $o/io.log
+    grep -E "changed address|Updated [0-9]+ commands" "$o/vlog-$t.log" | tail -60 > "$o/vlog-$t-tail.txt"
+    rm -f "$o/vlog-$t.log"; tar czf "$OUT/io.tgz" -C $o .; done
+  cp $o/io.log "$OUT/io.log" ;;
 s20-concurrent)  # issue #14 (next): --xla_gpu_command_buffer_scheduling_mode=CONCURRENT (session 18: verify -2.1%,
   # decode -1.9%, propose -5.9% at bs 1) end to end, side by side with the default twice (default, concurrent, default,
   # concurrent): E4B bs 1 at a 1K prompt (plain and k 3, R 4) and, where s7-convert left it, the default pair (16

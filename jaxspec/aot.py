@@ -35,15 +35,18 @@ def matmul_precision(dtype):
 
 
 def lower_ahead(fn, *args, donate_argnames: tuple[str, ...] = (), compiler_options: dict | None = None,
-                precision: str | None = None, in_sharding=None, out_shardings=None):
+                precision: str | None = None, in_sharding=None, out_shardings=None, keep_unused: bool = False):
     """Trace and lower fn for the shapes of `args` (arrays or ShapeDtypeStructs; pytrees of them): a `Lowered`.
 
     Donated arguments are named, never counted: `donate_argnames=("kv", "state")`. precision: the default matmul
     precision while tracing (`matmul_precision`). in_sharding: for inputs without a sharding of their own;
-    out_shardings: jit's (on a mesh, so the donated state comes back as it went in).
+    out_shardings: jit's (on a mesh, so the donated state comes back as it went in). keep_unused: jit's; an argument
+    the program does not read is dropped from the executable unless kept, and a dropped argument is never donated
+    (so a buffer passed only for its outputs to reuse must be kept).
     """
     options = {} if out_shardings is None else {"out_shardings": out_shardings}
-    jitted = jax.jit(fn, donate_argnames=donate_argnames, compiler_options=compiler_options, **options)
+    jitted = jax.jit(fn, donate_argnames=donate_argnames, compiler_options=compiler_options, keep_unused=keep_unused,
+                     **options)
     with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
         return jitted.lower(*abstract(args, in_sharding))
 

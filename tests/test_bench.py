@@ -39,10 +39,13 @@ def test_kernels(tmp_path):
 
 
 def test_propose(tmp_path):
-    r = run(tmp_path, "propose", "--preset", "tiny", "--bs", "2", "--ctx", "40", "-k", "2")
+    r = run(tmp_path, "propose", "--preset", "tiny", "--bs", "2", "--ctx", "40", "-k", "2", "--variants",
+            "bucketed,stable,fused,eager")
     assert [(p["ctx"], p["bs"], p["k"]) for p in r["rows"]] == [(40, 2, 2)]
     p = r["rows"][0]
     assert {"bucketed_us", "fused_us", "eager_us", "eager/bucketed", "fused/bucketed", "no_cmd/bucketed"} <= set(p)
+    # the stable variant (inputs on the device, outputs into donated buffers) drafts what bucketed drafts
+    assert p["stable_us"] > 0 and p["stable_same_drafts"] == 1.0
     assert p["no_cmd_buffer_us"] is None  # command buffers exist on GPUs only
     # the bucketed drafts equal the eager reference's on the same inputs (bf16 here; tests/test_drafter.py measures 0
     # of 64 bf16 trajectories differing on the CPU and on the H200)
@@ -87,9 +90,13 @@ def test_bad_lists_exit_2(argv, capsys):
 
 
 def test_verify(tmp_path):
-    r = run(tmp_path, "verify", "--preset", "tiny", "--bs", "2", "--ctx", "24", "-k", "3")
-    assert [(d["cache"], d["bs"], d["ctx"], d["positions"]) for d in r["rows"]] == [("paged", 2, 24, 4)]
+    r = run(tmp_path, "verify", "--preset", "tiny", "--bs", "2", "--ctx", "24", "-k", "3", "--cache",
+            "paged,paged-stable")
+    assert [(d["cache"], d["bs"], d["ctx"], d["positions"]) for d in r["rows"]] == [("paged", 2, 24, 4),
+                                                                                  ("paged-stable", 2, 24, 4)]
     assert {"step_ms", "bound_ms", "step/bound"} <= set(r["rows"][0])
+    # the step writing its logits into the donated buffer of its last call computes the same logits, bit for bit
+    assert r["rows"][1]["same_logits_as_first_paged"] is True
 
 
 def test_e2e(tmp_path):

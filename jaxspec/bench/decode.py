@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.common import (DTYPE, NUM_SETS, PRESET_NAMES, gib, median_us, memory_note, paged_cache, positive,
-                                  print_table, profile_calls, randomize, sizes)
+from jaxspec.bench.common import (DTYPE, NUM_SETS, PRESET_NAMES, gib, median_us, memory_note, names_from, paged_cache,
+                                  positive, print_table, profile_calls, randomize, sizes)
 from jaxspec.config import LAYER_TYPES, SLIDING, TargetConfig, bench_pair
 from jaxspec.model import gemma4
 from jaxspec.model.weights import random_target_params
@@ -28,6 +28,13 @@ def paged_decode_step(params, kv, pages: PageTables, tokens, cached_len, num_new
     meta = step_metadata(cfg, spec, pages, cached_len, num_new, tokens.shape[1], use_kernels=True)
     hidden, kv = gemma4.paged_forward(params, cfg, kv, meta, tokens, use_kernels=True)
     return gemma4.logits(params, cfg, hidden[:, -1]), kv
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnums=(1, 2), keep_unused=True)
+def paged_decode_step_into(params, kv, logits_out, pages: PageTables, tokens, cached_len, num_new, *, cfg, spec):
+    """paged_decode_step writing its logits into the donated buffer of the last call's (`--cache paged-stable`)."""
+    del logits_out  # its buffer holds this call's logits (jax aliases the donated input to the output of its shape)
+    return paged_decode_step(params, kv, pages, tokens, cached_len, num_new, cfg=cfg, spec=spec)
 
 
 def decode_bytes(cfg: TargetConfig, params, bs: int, ctx: int) -> dict[str, int]:
@@ -50,6 +57,9 @@ def decode_bytes(cfg: TargetConfig, params, bs: int, ctx: int) -> dict[str, int]
     return out
 
 
+CACHES = ("dense", "paged", "paged-stable")
+
+
 def step_args(p: argparse.ArgumentParser) -> None:
     """The options decode and verify share."""
     p.add_argument("--preset", choices=PRESET_NAMES, default="E4B")
@@ -60,7 +70,11 @@ def step_args(p: argparse.ArgumentParser) -> None:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     step_args(p)
-    p.add_argument("--cache", choices=("dense", "paged", "both"), default="both")
+    p.add_argument("--cache", type=names_from(CACHES + ("both",)), default="both",
+                   help="dense, paged (the Pallas kernels), paged-stable (the paged step as the engine calls its "
+                   "programs: its inputs the same device buffers every call, its output written into the buffer "
+                   "its last call returned, so that XLA need not re-record the CUDA graph's nodes for moved "
+                   "buffers); both = dense,paged")
     p.add_argument("--unstacked", action="store_true", help="also time the paged step with per-layer weight leaves "
                    "(one array per layer instead of one stack per layer group)")
 
@@ -79,9 +93,10 @@ def dense_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, seed: int
     return call, len(jax.tree.leaves((params, tokens[0], start, box[0]))), memory_note(box[0])
 
 
-def paged_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, args):
+def paged_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, args, stable: bool = False):
     """The same step over a paged cache through the Pallas kernels: each request holds ctx - T positions and the
-    step writes the last T (T = 1: decode; T = k + 1: a verify step)."""
+    step writes the last T (T = 1: decode; T = k + 1: a verify step). stable: every call reads the first token set
+    and writes its logits into the buffer the call before returned (donated)."""
     T = tokens[0].shape[1]
     cache, rids = paged_cache(cfg, bs, ctx - T, max_context=ctx, page_size=args.page_size,
                               max_step_tokens=max(args.chunk, T), seed=args.seed)
@@ -89,9 +104,13 @@ def paged_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, args):
         cache.pool.prepare(rid, ctx - T, ctx)
     pages = PageTables(page_table=jnp.asarray(cache.pool.page_table(rids)), swa_of_full=cache.swa_of_full)
     cached_len, num_new = jnp.full(bs, ctx - T, jnp.int32), jnp.full(bs, T, jnp.int32)
-    box = [cache.kv]
+    box = [cache.kv, jnp.zeros((bs, cfg.vocab_size), jnp.float32)]
 
     def call(i):
+        if stable:
+            box[1], box[0] = paged_decode_step_into(params, box[0], box[1], pages, tokens[0], cached_len, num_new,
+                                                    cfg=cfg, spec=cache.spec)
+            return box[1]
         logits, box[0] = paged_decode_step(params, box[0], pages, tokens[i], cached_len, num_new, cfg=cfg,
                                            spec=cache.spec)
         return logits
@@ -107,12 +126,12 @@ def run(args) -> dict:
     weights = sum(a.nbytes for a in jax.tree.leaves(params))
     print(f"{args.preset}: weights {gib(weights)} in {len(jax.tree.leaves(params))} leaves")
     rng = np.random.default_rng(args.seed)
-    modes = ("dense", "paged") if args.cache == "both" else (args.cache,)
+    modes = tuple(m for c in args.cache for m in (("dense", "paged") if c == "both" else (c,)))
     if args.unstacked:
         modes += ("paged-unstacked",)
         unstacked = dict(params, layers={g: {n: tuple(a[i] for i in range(a.shape[0])) for n, a in w.items()}
                                          for g, w in params["layers"].items()})
-    rows, needs = [], []
+    rows, needs, first = [], [], {}
     for ctx in args.ctx:
         for bs in args.bs:
             need = decode_bytes(cfg, params, bs, ctx)
@@ -122,17 +141,23 @@ def run(args) -> dict:
             for mode in modes:
                 if mode == "dense":
                     call, leaves, note = dense_decode(params, cfg, bs, ctx, tokens, args.seed)
-                elif mode == "paged":
-                    call, leaves, note = paged_decode(params, cfg, bs, ctx, tokens, args)
+                elif mode in ("paged", "paged-stable"):
+                    call, leaves, note = paged_decode(params, cfg, bs, ctx, tokens, args, stable=mode != "paged")
                 else:
                     call, leaves, note = paged_decode(unstacked, cfg, bs, ctx, tokens, args)
-                step_us = median_us(call, args.iters)
+                step_us = median_us(call, args.iters, num_sets=1 if mode == "paged-stable" else NUM_SETS)
+                same = None
+                if mode in ("paged", "paged-stable"):  # both modes' logits of the first token set, bit for bit
+                    logits = np.asarray(call(0))
+                    first.setdefault((bs, ctx), logits)
+                    same = bool(np.array_equal(first[(bs, ctx)], logits))
                 if mode == "paged":
                     profile_calls(args, call, f"paged step of {T} position(s), bs {bs} ctx {ctx}")
                 bound_us = need["total"] / args.hbm_bw * 1e6
                 rows.append({"cache": mode, "bs": bs, "ctx": ctx, "positions": T, "step_ms": step_us / 1e3,
                              "tokens_per_s": bs / step_us * 1e6, "bound_ms": bound_us / 1e3,
-                             "step/bound": step_us / bound_us, "jit_leaves": leaves, "memory": note})
+                             "step/bound": step_us / bound_us, "jit_leaves": leaves, "memory": note,
+                             "same_logits_as_first_paged": same})
                 print(f"step of {T} position(s), {mode} bs {bs} ctx {ctx}: {step_us / 1e3:.3f} ms; {note}")
                 del call  # this figure's K/V (GiBs at bs 16) goes before the next figure allocates its own
     keys = [k for k in needs[0] if k not in ("bs", "ctx")]
@@ -152,10 +177,12 @@ def run(args) -> dict:
 def add_verify_args(p: argparse.ArgumentParser) -> None:
     step_args(p)
     p.add_argument("-k", type=positive, default=3, help="drafts verified per step (the step runs k + 1 positions)")
+    p.add_argument("--cache", type=names_from(("paged", "paged-stable")), default="paged",
+                   help="paged, paged-stable: as decode's --cache")
 
 
 def run_verify(args) -> dict:
     """One verify step (k + 1 positions per row) over the paged cache, against the HBM bound (the bytes of a decode
     step: weights once, K/V once)."""
-    args.positions, args.cache, args.unstacked = args.k + 1, "paged", False
+    args.positions, args.unstacked = args.k + 1, False
     return run(args)

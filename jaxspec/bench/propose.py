@@ -22,7 +22,7 @@ from jaxspec.model.weights import random_assistant_params
 from jaxspec.paged_kv.cache import PagedKVCache
 
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
-VARIANTS = ("bucketed", "fused", "no_cmd_buffer", "eager")
+VARIANTS = ("bucketed", "stable", "fused", "no_cmd_buffer", "eager")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -33,8 +33,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=sizes, default=[4096, 32768], help="cached_len of every request")
     p.add_argument("--chunk", type=positive, default=256, help="prefill chunk: the pool's max_step_tokens")
     p.add_argument("--variants", type=names_from(VARIANTS), default="bucketed,fused,eager",
-                   help="drafters to time: bucketed (the jnp step with the attention kernel, the default), fused (the "
-                   "fused kernels' step), no_cmd_buffer (bucketed without command buffers), eager; the first one is "
+                   help="drafters to time: bucketed (the jnp step with the attention kernel, the default), stable "
+                   "(bucketed with its inputs on the device, the same buffers every call, and its outputs written "
+                   "into the buffers its last call returned: the addresses the engine's round programs see), fused "
+                   "(the fused kernels' step), no_cmd_buffer (bucketed without command buffers), eager; the first one is "
                    "traced with --profile-dir")
     p.add_argument("--eager-iters", type=positive, help="timed calls of the eager drafter, ~0.3 s each on the H200 "
                    "(default: --iters, at most 50)")
@@ -59,6 +61,7 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
     kw = dict(buckets=args.bs, seed_slots=num_requests + 1)
     variants = list(args.variants)
     make = {"bucketed": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw),
+            "stable": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, donate_outputs=True, **kw),
             "fused": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, fused=True, **kw),
             "no_cmd_buffer": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw,
                                                      compiler_options=NO_COMMAND_BUFFERS),
@@ -72,24 +75,32 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
     rows = []
     for bs in args.bs:
         sets = propose_sets(rng, cache, rids, bs, ctx, seed_table, cfg.vocab_size)
+        fixed = jax.device_put(sets[0])  # one input set already on the device: the same buffers every call
         calls = {name: (lambda i, d=d: d.propose(*sets[i])) if name == "eager"
+                 else (lambda i, d=d, bs=bs: d.propose_bucket(bs, *fixed)) if name == "stable"
                  else (lambda i, d=d, bs=bs: d.propose_bucket(bs, *sets[i]))
                  for name, d in drafters.items()}
         row = {"ctx": ctx, "bs": bs, "k": args.k, **{f"{v}_us": None for v in make}, "memory": note}
         for name, call in calls.items():
-            row[f"{name}_us"] = median_us(call, eager_iters if name == "eager" else args.iters)
+            row[f"{name}_us"] = median_us(call, eager_iters if name == "eager" else args.iters,
+                                          num_sets=1 if name == "stable" else NUM_SETS)
+            if name == "stable":
+                row["stable_dispatch_us"] = median_dispatch_us(call, args.iters, num_sets=1)
             if name == "bucketed":
                 row["bucketed_dispatch_us"] = median_dispatch_us(call, args.iters)
-                fixed = jax.device_put(sets[0])  # one input set already on the device: the same buffers every call
                 row["bucketed_device_inputs_us"] = median_us(
                     lambda i, d=drafters["bucketed"], bs=bs: d.propose_bucket(bs, *fixed), args.iters, num_sets=1)
             if name == variants[0]:  # the first variant listed is the one traced
                 profile_calls(args, call, f"propose {name} bs {bs} ctx {ctx}")
+        if "stable" in calls and "bucketed" in calls:  # the same drafts from the same inputs
+            row["stable_same_drafts"] = float(np.mean(np.asarray(calls["stable"](0)[0])
+                                                      == np.asarray(calls["bucketed"](0)[0])))
         if "eager" in calls and "bucketed" in calls:
             same = np.asarray(calls["bucketed"](0)[0]) == calls["eager"](0)[0]
             row["same_drafts"] = float(np.mean(np.all(same, axis=1)))
         row["eager/bucketed"] = ratio(row["eager_us"], row["bucketed_us"])
         row["fused/bucketed"] = ratio(row["fused_us"], row["bucketed_us"])
+        row["stable/bucketed"] = ratio(row["stable_us"], row["bucketed_us"])
         row["no_cmd/bucketed"] = ratio(row["no_cmd_buffer_us"], row["bucketed_us"])
         rows.append(row)
         print(f"propose ctx {ctx} bs {bs}: " + ", ".join(f"{n} {row[n + '_us']:.1f} µs" for n in drafters))
@@ -114,6 +125,8 @@ def run(args) -> dict:
                     ("ctx", "ctx", "{}"), ("bs", "bs", "{}"), ("bucketed_us", "bucketed_us", "{:.1f}"),
                     ("bucketed_dispatch_us", "launch_us", "{:.1f}"),
                     ("bucketed_device_inputs_us", "device_inputs_us", "{:.1f}"),
+                    ("stable_us", "stable_us", "{:.1f}"), ("stable_dispatch_us", "stable_launch_us", "{:.1f}"),
+                    ("stable/bucketed", "stable/bucketed", "{:.2f}"),
                     ("fused_us", "fused_us", "{:.1f}"), ("fused/bucketed", "fused/bucketed", "{:.2f}"),
                     ("no_cmd_buffer_us", "no_cmdbuf_us", "{:.1f}"), ("eager_us", "eager_us", "{:.1f}"),
                     ("eager/bucketed", "eager/bucketed", "{:.2f}"), ("no_cmd/bucketed", "no_cmd/bucketed", "{:.2f}"),

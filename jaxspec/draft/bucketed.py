@@ -66,18 +66,26 @@ def chunks(n: int, buckets: tuple[int, ...]) -> list[tuple[int, int, int]]:
 
 
 class BucketedDrafter:
-    """propose_bucket(...) -> device (drafts int32[bucket, k], last h_next [bucket, H_target])."""
+    """propose_bucket(...) -> device (drafts int32[bucket, k], last h_next [bucket, H_target]).
+
+    donate_outputs: each bucket writes its outputs into the buffers its previous call returned (donated), so that
+    on a GPU no output of the command buffer is a fresh allocation. XLA's buffer assignment may place temporaries in
+    an output's allocation; a fresh output then moves them every call and XLA re-records every graph node that
+    touches them before launching (BENCHMARKS.md session 10: 140 of the bs-1 propose's 207, ~300 µs of host time a
+    call). With it, what `propose_bucket` returned is valid only until that bucket's next call (the engine's round
+    programs donate their state the same way)."""
 
     def __init__(self, aparams, acfg: AssistantConfig, target_embed, cfg: TargetConfig, k: int, *,
                  buckets=DEFAULT_BUCKETS, seed_slots: int | None = None, use_kernels: bool = True,
-                 fused: bool = False, compiler_options: dict | None = None):
+                 fused: bool = False, compiler_options: dict | None = None, donate_outputs: bool = False):
         buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"draft buckets must be positive batch sizes, got {buckets}")
         self.aparams, self.acfg, self.target_embed, self.cfg, self.k = aparams, acfg, target_embed, cfg, k
         self.buckets = buckets
         self.seed_slots = seed_slots or buckets[-1] + 1
-        self.use_kernels, self.fused = use_kernels, fused
+        self.use_kernels, self.fused, self.donate_outputs = use_kernels, fused, donate_outputs
+        self.outputs: dict[int, tuple] = {}  # with donate_outputs: each bucket's last outputs, donated to its next call
         # e.g. {"xla_gpu_enable_command_buffer": ""} to measure what the graphs buy; on top of DRAFT_COMPILER_OPTIONS
         self.compiler_options = {**DRAFT_COMPILER_OPTIONS, **(compiler_options or {})}
         self.cache: PagedKVCache | None = None
@@ -88,7 +96,10 @@ class BucketedDrafter:
         self.cache = cache
         self.compile()
 
-    def _program(self, aparams, target_embed, kv, pages: PageTables, cached_len, pending_token, seed_table, slot):
+    def _program(self, aparams, target_embed, kv, pages: PageTables, cached_len, pending_token, seed_table, slot,
+                 drafts_out=None, h_out=None):
+        # drafts_out, h_out: with donate_outputs, the last call's outputs, donated (their values unused): jax aliases
+        # each to the output of its shape, so the outputs keep their addresses from call to call
         return draft(aparams, target_embed, kv, pages, cached_len, pending_token, seed_table[slot], acfg=self.acfg,
                      target=self.cfg, spec=self.cache.spec, k=self.k, use_kernels=self.use_kernels, fused=self.fused)
 
@@ -96,14 +107,21 @@ class BucketedDrafter:
         """Compile every bucket against the cache's current shapes (ahead of time, off the serving path)."""
         cache, i32 = self.cache, jnp.int32
         seed_table = jax.ShapeDtypeStruct((self.seed_slots, self.acfg.backbone_hidden_size), self.target_embed.dtype)
-        self.executables = {}
+        self.executables, self.outputs = {}, {}
         for b in self.buckets:
             vec = jax.ShapeDtypeStruct((b,), i32)
             pages = PageTables(page_table=jax.ShapeDtypeStruct((b, cache.spec.max_pages_per_request), i32),
                                swa_of_full=cache.swa_of_full)
+            outs = (jax.ShapeDtypeStruct((b, self.k), i32),
+                    jax.ShapeDtypeStruct((b, self.acfg.backbone_hidden_size), self.target_embed.dtype))
+            previous = outs if self.donate_outputs else ()
             self.executables[b] = compile_ahead(self._program, self.aparams, self.target_embed, cache.kv, pages, vec,
-                                                vec, seed_table, vec, compiler_options=self.compiler_options,
+                                                vec, seed_table, vec, *previous, compiler_options=self.compiler_options,
+                                                donate_argnames=("drafts_out", "h_out") if previous else (),
+                                                keep_unused=bool(previous),
                                                 precision=matmul_precision(self.target_embed.dtype))
+            if previous:
+                self.outputs[b] = tuple(jnp.zeros(o.shape, o.dtype) for o in outs)
         self.compiles += 1
 
     def propose_bucket(self, bucket: int, page_table, cached_len, pending_token, seed_table, slot):
@@ -111,8 +129,11 @@ class BucketedDrafter:
         row of each request in it). No tracing happens here."""
         with jax.no_tracing(True):
             pages = PageTables(page_table=page_table, swa_of_full=self.cache.swa_of_full)
-            return self.executables[bucket](self.aparams, self.target_embed, self.cache.kv, pages, cached_len,
-                                            pending_token, seed_table, slot)
+            out = self.executables[bucket](self.aparams, self.target_embed, self.cache.kv, pages, cached_len,
+                                           pending_token, seed_table, slot, *self.outputs.get(bucket, ()))
+            if self.donate_outputs:
+                self.outputs[bucket] = out
+            return out
 
     def propose(self, page_table, cached_len, pending_token, seed_table, slot):
         """Any batch size: pad to buckets (chunked above the largest), return numpy (drafts [B, k], h_next [B, Ht])."""

@@ -616,6 +616,15 @@ s19-e2e)  # issue #17 (next): the default pair at bs 1 on 16 held-out prompts, 1
       --overlap on --json "$OUT/e2e-270m-$t$([ $t = shipped ] || echo -experiment).json" > "$OUT/e2e-270m-$t.log" 2>&1
     echo "== $t"; grep -h "^e2e bs\|Error" "$OUT/e2e-270m-$t.log" | head -8
   done ;;
+s20-fused)  # issue #14: with stable addresses (s20-io), does the fused drafter step's smaller graph (114 nodes against
+  # 211) now show in the wall time? E4B drafter, k 3, 4K, bs 1: stable, fused_stable, bucketed, fused side by side;
+  # the first (stable) traced: its kernels and launches a propose
+  rm -rf /tmp/ps; XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${FUSED_TIMEOUT:-300} \
+    python3 -m jaxspec.bench propose --bs 1 --ctx 4096 --variants stable,fused_stable,bucketed,fused \
+    --profile-dir /tmp/ps --json "$OUT/propose-fused-stable.json" > "$OUT/propose-fused-stable.log" 2>&1
+  timeout 60 python3 -m jaxspec.bench trace /tmp/ps --rounds 20 --json "$OUT/trace-propose-stable.json" \
+    >> "$OUT/propose-fused-stable.log" 2>&1
+  grep "^propose ctx\|launches\|busy\|Error\|error:" "$OUT/propose-fused-stable.log" | head -8 ;;
 s20-io)  # issue #14: what moved buffers cost a call. XLA re-records every CUDA-graph node that touches a buffer whose
   # address changed since the last call (session 10: 140 of the bs-1 propose's 207 nodes, ~300 µs); fresh outputs
   # move every call, and temporaries share their allocations. The stable variants keep every address: inputs already on
@@ -630,19 +639,20 @@ s20-io)  # issue #14: what moved buffers cost a call. XLA re-records every CUDA-
   timeout ${IO_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_drafter.py \
     -k "donated or changing_tables" > $o/tests-io.txt 2>&1
   grep -E "passed|failed" $o/tests-io.txt | tail -2 | tee -a $o/io.log
-  for b in propose verify decode; do
+  for b in ${IO_BENCHES:-propose verify decode}; do
     case $b in propose) a="propose --bs 1,64 --ctx 4096 --variants bucketed,stable" ;;
-    verify) a="verify --bs 1,16 --cache paged,paged-stable" ;; decode) a="decode --bs 1 --cache paged,paged-stable" ;;
+    verify) a="verify --bs ${IO_VERIFY_BS:-1,16} --cache paged,paged-stable" ;; decode) a="decode --bs 1 --cache paged,paged-stable" ;;
     esac
     timeout ${IO_TIMEOUT:-150} python3 -m jaxspec.bench $a --json "$o/$b-io.json" > "$o/$b-io.log" 2>&1
     grep -h "^step of\|^propose ctx\|Error\|error:" "$o/$b-io.log" | head -6 | tee -a $o/io.log
     tar czf "$OUT/io.tgz" -C $o .; done; fi
   [[ " ${IO_STEPS:-bench vlog} " == *" vlog "* ]] || { cp $o/io.log "$OUT/io.log"; exit 0; }
-  vm=command_buffer_thunk=3,command_executor=2
-  for v in "propose --bs 1 --ctx 4096 --variants bucketed" "propose --bs 1 --ctx 4096 --variants stable" \
-           "verify --bs 1 --cache paged" "verify --bs 1 --cache paged-stable"; do
+  vm=command_buffer_thunk=3,command_executor=2  # (INFO lines: jax's default TF_CPP_MIN_LOG_LEVEL hides them)
+  IFS=';' read -ra vlogs <<< "${IO_VLOGS:-propose --bs 1 --ctx 4096 --variants bucketed;propose --bs 1 --ctx 4096 \
+--variants stable;verify --bs 1 --cache paged;verify --bs 1 --cache paged-stable}"
+  for v in "${vlogs[@]}"; do
     t=$(echo "$v" | awk '{print $1"-"$NF}')
-    TF_CPP_VMODULE=$vm timeout ${IO_VLOG_TIMEOUT:-120} python3 -m jaxspec.bench $v --iters 20 \
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=$vm timeout ${IO_VLOG_TIMEOUT:-120} python3 -m jaxspec.bench $v --iters 20 \
       --json "$o/vlog-$t-experiment.json" > "$o/vlog-$t.log" 2>&1
     echo "== $t: $(grep -h '^step of\|^propose ctx' "$o/vlog-$t.log" | head -1)" | tee -a $o/io.log
     grep -oE "Updated [0-9]+ commands in [0-9]+ [^ ]+ \(skipped [0-9]+" "$o/vlog-$t.log" | sed -E 's/in [0-9]+ /in N /' \
@@ -657,7 +667,7 @@ s20-concurrent)  # issue #14 (next): --xla_gpu_command_buffer_scheduling_mode=CO
   # concurrent): E4B bs 1 at a 1K prompt (plain and k 3, R 4) and, where s7-convert left it, the default pair (16
   # held-out prompts, plain and k 5, R 4); then the GPU lane's greedy-vs-transformers and lossless tests with the flag
   c=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT
-  for i in 1 2; do for f in default concurrent; do x=$([ $f = concurrent ] && echo "$c" || echo "")
+  for i in $(seq ${S20_REPEATS:-2}); do for f in default concurrent; do x=$([ $f = concurrent ] && echo "$c" || echo "")
     XLA_FLAGS="$x" timeout ${E2E_TIMEOUT:-150} python3 -m jaxspec.bench e2e --bs 1 --prompt-len 1024 --modes off,bucketed \
       -k 3 --rounds-per-call 4 --overlap on --json "$OUT/e2e-e4b-$f$i.json" > "$OUT/e2e-e4b-$f$i.log" 2>&1
     [ -d /root/gemma-3-270m ] && XLA_FLAGS="$x" timeout ${E2E_TIMEOUT:-150} python3 -m jaxspec.bench e2e \

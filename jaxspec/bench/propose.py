@@ -22,7 +22,8 @@ from jaxspec.model.weights import random_assistant_params
 from jaxspec.paged_kv.cache import PagedKVCache
 
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
-VARIANTS = ("bucketed", "stable", "fused", "no_cmd_buffer", "eager")
+VARIANTS = ("bucketed", "stable", "fused", "fused_stable", "no_cmd_buffer", "eager")
+STABLE = ("stable", "fused_stable")  # inputs on the device (the same buffers every call), outputs into donated buffers
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -36,8 +37,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="drafters to time: bucketed (the jnp step with the attention kernel, the default), stable "
                    "(bucketed with its inputs on the device, the same buffers every call, and its outputs written "
                    "into the buffers its last call returned: the addresses the engine's round programs see), fused "
-                   "(the fused kernels' step), no_cmd_buffer (bucketed without command buffers), eager; the first one is "
-                   "traced with --profile-dir")
+                   "(the fused kernels' step), fused_stable (fused, called as stable is), no_cmd_buffer (bucketed "
+                   "without command buffers), eager; the first one is traced with --profile-dir")
     p.add_argument("--eager-iters", type=positive, help="timed calls of the eager drafter, ~0.3 s each on the H200 "
                    "(default: --iters, at most 50)")
 
@@ -63,6 +64,8 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
     make = {"bucketed": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw),
             "stable": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, donate_outputs=True, **kw),
             "fused": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, fused=True, **kw),
+            "fused_stable": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, fused=True,
+                                                    donate_outputs=True, **kw),
             "no_cmd_buffer": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw,
                                                      compiler_options=NO_COMMAND_BUFFERS),
             "eager": lambda: EagerDrafter(aparams, acfg, target_embed, cfg, args.k)}
@@ -77,15 +80,15 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
         sets = propose_sets(rng, cache, rids, bs, ctx, seed_table, cfg.vocab_size)
         fixed = jax.device_put(sets[0])  # one input set already on the device: the same buffers every call
         calls = {name: (lambda i, d=d: d.propose(*sets[i])) if name == "eager"
-                 else (lambda i, d=d, bs=bs: d.propose_bucket(bs, *fixed)) if name == "stable"
+                 else (lambda i, d=d, bs=bs: d.propose_bucket(bs, *fixed)) if name in STABLE
                  else (lambda i, d=d, bs=bs: d.propose_bucket(bs, *sets[i]))
                  for name, d in drafters.items()}
         row = {"ctx": ctx, "bs": bs, "k": args.k, **{f"{v}_us": None for v in make}, "memory": note}
         for name, call in calls.items():
             row[f"{name}_us"] = median_us(call, eager_iters if name == "eager" else args.iters,
-                                          num_sets=1 if name == "stable" else NUM_SETS)
-            if name == "stable":
-                row["stable_dispatch_us"] = median_dispatch_us(call, args.iters, num_sets=1)
+                                          num_sets=1 if name in STABLE else NUM_SETS)
+            if name in STABLE:
+                row[f"{name}_dispatch_us"] = median_dispatch_us(call, args.iters, num_sets=1)
             if name == "bucketed":
                 row["bucketed_dispatch_us"] = median_dispatch_us(call, args.iters)
                 row["bucketed_device_inputs_us"] = median_us(
@@ -101,6 +104,7 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
         row["eager/bucketed"] = ratio(row["eager_us"], row["bucketed_us"])
         row["fused/bucketed"] = ratio(row["fused_us"], row["bucketed_us"])
         row["stable/bucketed"] = ratio(row["stable_us"], row["bucketed_us"])
+        row["fused_stable/stable"] = ratio(row["fused_stable_us"], row["stable_us"])
         row["no_cmd/bucketed"] = ratio(row["no_cmd_buffer_us"], row["bucketed_us"])
         rows.append(row)
         print(f"propose ctx {ctx} bs {bs}: " + ", ".join(f"{n} {row[n + '_us']:.1f} µs" for n in drafters))
@@ -126,7 +130,8 @@ def run(args) -> dict:
                     ("bucketed_dispatch_us", "launch_us", "{:.1f}"),
                     ("bucketed_device_inputs_us", "device_inputs_us", "{:.1f}"),
                     ("stable_us", "stable_us", "{:.1f}"), ("stable_dispatch_us", "stable_launch_us", "{:.1f}"),
-                    ("stable/bucketed", "stable/bucketed", "{:.2f}"),
+                    ("stable/bucketed", "stable/bucketed", "{:.2f}"), ("fused_stable_us", "fused_stable_us", "{:.1f}"),
+                    ("fused_stable/stable", "fused_stable/stable", "{:.2f}"),
                     ("fused_us", "fused_us", "{:.1f}"), ("fused/bucketed", "fused/bucketed", "{:.2f}"),
                     ("no_cmd_buffer_us", "no_cmdbuf_us", "{:.1f}"), ("eager_us", "eager_us", "{:.1f}"),
                     ("eager/bucketed", "eager/bucketed", "{:.2f}"), ("no_cmd/bucketed", "no_cmd/bucketed", "{:.2f}"),

@@ -625,6 +625,15 @@ s20-fused)  # issue #14: with stable addresses (s20-io), does the fused drafter 
   timeout 60 python3 -m jaxspec.bench trace /tmp/ps --rounds 20 --json "$OUT/trace-propose-stable.json" \
     >> "$OUT/propose-fused-stable.log" 2>&1
   grep "^propose ctx\|launches\|busy\|Error\|error:" "$OUT/propose-fused-stable.log" | head -8 ;;
+s20-fused-trace)  # issue #14: why the fused drafter step is slower with stable addresses: fused_stable and stable each
+  # traced (the first variant listed is the traced one), one process each, side by side in one call
+  for v in fused_stable stable; do o=$([ $v = stable ] && echo fused_stable || echo stable); rm -rf /tmp/pt
+    XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${FUSED_TIMEOUT:-150} python3 -m jaxspec.bench \
+      propose --bs 1 --ctx 4096 --variants $v,$o --profile-dir /tmp/pt --json "$OUT/propose-traced-$v.json" \
+      > "$OUT/propose-traced-$v.log" 2>&1
+    timeout 60 python3 -m jaxspec.bench trace /tmp/pt --rounds 20 --top 40 --json "$OUT/trace-propose-$v.json" \
+      >> "$OUT/propose-traced-$v.log" 2>&1
+    echo "== $v traced"; grep "^propose ctx\|launches\|busy\|Error\|error:" "$OUT/propose-traced-$v.log" | head -5; done ;;
 s20-io)  # issue #14: what moved buffers cost a call. XLA re-records every CUDA-graph node that touches a buffer whose
   # address changed since the last call (session 10: 140 of the bs-1 propose's 207 nodes, ~300 µs); fresh outputs
   # move every call, and temporaries share their allocations. The stable variants keep every address: inputs already on

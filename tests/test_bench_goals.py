@@ -194,8 +194,9 @@ def test_goals_over_the_repository_results(tmp_path):
                                                        None),
             "propose_e4b_bs1_4k_us": ("propose", {"bs": 1, "ctx": 4096}, "bucketed_us", None),
             "propose_e4b_bs64_4k_us": ("propose", {"bs": 64, "ctx": 4096}, "bucketed_us", None),
-            "verify_e4b_bs1_4k_over_bound": ("verify", {"bs": 1, "ctx": 4096}, "step/bound", None),
-            "verify_e4b_bs16_4k_over_bound": ("verify", {"bs": 16, "ctx": 4096}, "step/bound", None),
+            "verify_e4b_bs1_4k_over_bound": ("verify", {"bs": 1, "ctx": 4096, "cache": "paged"}, "step/bound", None),
+            "verify_e4b_bs16_4k_over_bound": ("verify", {"bs": 16, "ctx": 4096, "cache": "paged"}, "step/bound",
+                                              None),
             "decode_e4b_bs1_4k_over_bound": ("decode", {"bs": 1, "ctx": 4096, "cache": "paged"}, "step/bound", None),
             "e2e_270m_bs1_accept_length": ("e2e", {"bs": 1, "mode": "bucketed", "k": 3}, "mean_accept_length", None)}
     for (name, issue), g in goals(tmp_path, RESULTS).items():

@@ -65,7 +65,9 @@ def median_dispatch_us(call, iters: int, num_sets: int = NUM_SETS) -> float:
 
 def profile_calls(args, call, label: str, calls: int = 20) -> None:
     """With --profile-dir: record `calls` more calls of the first figure asked for into a profiler trace (once per
-    run; summarise with `python -m jaxspec.bench trace DIR --rounds {calls}`)."""
+    run; summarise with `python -m jaxspec.bench trace DIR --rounds {calls}`). Call it once every figure of the row is
+    timed: on the H200 calls timed after a trace can run slower (session 20: the same propose 570.0 µs timed before a
+    trace, 821.9 after one, in one call)."""
     if not getattr(args, "profile_dir", None) or getattr(args, "profiled", None):
         return
     jax.block_until_ready(call(0))

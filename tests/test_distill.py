@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import stats
 
 from conftest import golden_path
 from jaxspec import corpus
@@ -29,7 +30,7 @@ from jaxspec.distill.train import TrainConfig, TrainContext, eval_step, evaluate
 from jaxspec.engine import Engine, Request, SamplingParams
 from jaxspec.engine import programs as programs_mod
 from jaxspec.launch import PROMPTS
-from jaxspec.model import packed
+from jaxspec.model import gemma4, packed
 from jaxspec.model.hf import assistant_config_from_dict, assistant_hf_config
 from jaxspec.model.weights import load_assistant, load_target, random_assistant_params
 
@@ -368,6 +369,69 @@ def test_saved_continuations_are_the_generated_ones(tiny, tmp_path):
         data_mod.load_continuations(path, "other-fp32", NEW)
 
 
+def first_token_law(tiny, prompt, temperature):
+    """softmax(logits / T) of the target's next token after `prompt`, from the teacher forward (float64)."""
+    t = tiny
+    hidden = data_mod._teacher(t["params"], t["cfg"], jnp.asarray([prompt], jnp.int32), ())["hidden"]
+    logits = np.asarray(gemma4.logits(t["params"], t["cfg"], hidden[:, -1]), np.float64)[0] / temperature
+    p = np.exp(logits - logits.max())
+    return p / p.sum()
+
+
+def chi_square_p(counts, law, min_expected=5.0):
+    """Pearson's chi-square p-value of `counts` against `law`, cells with < min_expected expected counts pooled."""
+    n = counts.sum()
+    big = law * n >= min_expected
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(law[big] * n, law[~big].sum() * n)
+    keep = exp > 0
+    return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.25])
+def test_sampled_continuations_follow_the_targets_law(tiny, temperature):
+    """The first sampled token of 8 192 copies of one prompt against softmax(logits / T) of the target's forward
+    (chi-square, level 1e-3); the same counts against the law at 4 T are rejected (the test's power: a sampler
+    that dropped T, or used another, would fail). Reproducible per (seed, copy); another copy draws other rows."""
+    t = tiny
+    prompt, n = t["prompts"][0], 8192
+    conts = data_mod.sampled_continuations(t["params"], t["cfg"], [prompt] * n, 4, 1024, temperature=temperature,
+                                           seed=3)
+    counts = np.bincount(conts[:, 0], minlength=t["cfg"].vocab_size)
+    law = first_token_law(t, prompt, temperature)
+    assert chi_square_p(counts, law) > 1e-3
+    assert chi_square_p(counts, first_token_law(t, prompt, 4 * temperature)) < 1e-6
+    assert len(set(map(tuple, conts.tolist()))) > n // 4  # the rows are drawn independently
+    again = data_mod.sampled_continuations(t["params"], t["cfg"], [prompt] * 1024, 4, 1024,
+                                           temperature=temperature, seed=3)
+    np.testing.assert_array_equal(again, conts[:1024])
+    other_copy = data_mod.sampled_continuations(t["params"], t["cfg"], [prompt] * 1024, 4, 1024,
+                                                temperature=temperature, seed=3, copy=1)
+    assert (other_copy != conts[:1024]).any()
+
+
+def test_sampled_continuations_at_a_low_temperature_are_the_greedy_ones(tiny):
+    """As T -> 0 sampling becomes the argmax: at T = 1e-4 every row equals the greedy continuation (the fixture's)."""
+    t = tiny
+    conts = data_mod.sampled_continuations(t["params"], t["cfg"], t["prompts"][:32], NEW, 16, temperature=1e-4,
+                                           seed=0)
+    np.testing.assert_array_equal(conts, np.asarray(t["data"]["tokens"])[:32, PROMPT_LEN:])
+
+
+def test_cli_trains_on_sampled_copies(tiny, tmp_path):
+    """--sampled-copies 1: the training set is the greedy continuations and one sampled copy of every training
+    prompt (distill.json says so), the held-out set stays the greedy one."""
+    prompts = str(tmp_path / "prompts.jsonl")
+    write_prompts(tiny, prompts)
+    out = str(tmp_path / "out")
+    argv = ["--model", TARGET, "--out", out, "--prompts", prompts, *CLI_ARGS, "--steps", "5", "--eval-every", "0",
+            "--sampled-copies", "1", "--temperature", "0.8"]
+    assert distill_main(argv) == 0
+    data = json.load(open(os.path.join(out, "distill.json")))["data"]
+    assert (data["train_prompts"], data["sampled_copies"], data["sampled_temperature"], data["train_sequences"],
+            data["heldout_prompts"]) == (64, 1, 0.8, 128, 16)
+
+
 @pytest.mark.parametrize("kind,message", [("folder", "is a folder"), ("text", "not a continuations file"),
                                           ("other run", "continuations of another run")])
 def test_cli_bad_continuations_file_is_one_line_and_exit_2(tiny, tmp_path, capsys, kind, message):
@@ -393,6 +457,9 @@ def test_cli_bad_continuations_file_is_one_line_and_exit_2(tiny, tmp_path, capsy
 
 @pytest.mark.parametrize("bad,message", [
     (["--data-only"], "--data-only writes the continuations to a file"),
+    (["--sampled-copies", "1", "--temperature", "0"], "--temperature > 0"),
+    (["--sampled-copies", "-1"], "--sampled-copies must be >= 0"),
+    (["--sampled-copies", "1", "--data-only", "--continuations", "c.npz"], "greedy continuations only"),
     (["--keep-vocab", "0"], "--keep-vocab must be >= 1"),
     (["--new-tokens", "3"], "needs >= k + 1"),
     (["--patience", "-1"], "--patience and --max-per-source must be >= 0 and --time-limit > 0"),

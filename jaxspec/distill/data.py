@@ -1,5 +1,6 @@
-"""The training data: the target's greedy continuations of the prompts and, from one teacher-forced dense forward over
-prompt + continuation, the post-norm hidden and the store-layer K/V at every position; the kept vocabulary."""
+"""The training data: the target's greedy (and, optionally, sampled) continuations of the prompts and, from one
+teacher-forced dense forward over prompt + continuation, the post-norm hidden and the store-layer K/V at every
+position; the kept vocabulary."""
 
 from __future__ import annotations
 
@@ -19,12 +20,27 @@ from jaxspec.model import gemma4
 @functools.partial(jax.jit, static_argnums=(1, 3))
 def _greedy(params, cfg: TargetConfig, prompts, new_tokens: int):
     """Greedy continuation int32[B, new_tokens] of prompts int32[B, P] (dense cache, one scan over decode steps)."""
+    return _continue(params, cfg, prompts, new_tokens, None, None)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def _sampled(params, cfg: TargetConfig, prompts, new_tokens: int, temperature, key):
+    """Continuation int32[B, new_tokens] sampled from softmax(logits / temperature), every row and position drawn
+    independently from `key`."""
+    return _continue(params, cfg, prompts, new_tokens, temperature, key)
+
+
+def _continue(params, cfg: TargetConfig, prompts, new_tokens: int, temperature, key):
     B, P = prompts.shape
     cache = gemma4.init_dense_cache(cfg, B, P + new_tokens, params["embed"].dtype)
 
     def next_token(cache, tokens, positions):
         hidden, cache = gemma4.forward(params, cfg, tokens, positions, gemma4.dense_attend(cfg, positions), cache)
-        return jnp.argmax(gemma4.logits(params, cfg, hidden[:, -1]), axis=-1).astype(jnp.int32), cache
+        logits = gemma4.logits(params, cfg, hidden[:, -1]).astype(jnp.float32)
+        if key is None:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+        step_key = jax.random.fold_in(key, positions[0, -1])  # one key a position: the rows of a draw independent
+        return jax.random.categorical(step_key, logits / temperature, axis=-1).astype(jnp.int32), cache
 
     first, cache = next_token(cache, prompts, jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P)))
 
@@ -84,6 +100,28 @@ def greedy_continuations(params, cfg: TargetConfig, prompts: list[list[int]], ne
             if on_batch is not None:
                 on_batch()
     return conts, done
+
+
+def sampled_continuations(params, cfg: TargetConfig, prompts: list[list[int]], new_tokens: int, batch: int, *,
+                          temperature: float, seed: int, copy: int = 0) -> np.ndarray:
+    """Continuations int32[N, new_tokens] of prompts sampled from the target at `temperature` (> 0): more varied
+    training text than the greedy continuation alone. Reproducible: a batch's draws come from (seed, copy, its first
+    row), so the same arguments give the same rows and another `copy` other rows. Not saved to a file (only greedy
+    continuations are)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+    base = jax.random.fold_in(jax.random.PRNGKey(seed), copy)
+    N = len(prompts)
+    conts = np.zeros((N, new_tokens), np.int32)
+    prompt_len = np.asarray([len(p) for p in prompts], np.int32)
+    for P in sorted(set(prompt_len.tolist())):
+        idx = np.flatnonzero(prompt_len == P)
+        group = np.asarray([prompts[i] for i in idx], np.int32)
+        for rows, padded in padded_batches(len(idx), batch):
+            key = jax.random.fold_in(base, int(idx[rows[0]]))
+            out = _sampled(params, cfg, jnp.asarray(group[padded]), new_tokens, jnp.float32(temperature), key)
+            conts[idx[rows]] = np.asarray(out)[: len(rows)]
+    return conts
 
 
 def build_dataset(params, cfg: TargetConfig, prompts: list[list[int]], new_tokens: int, types, batch: int, *,

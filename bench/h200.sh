@@ -48,8 +48,11 @@
 # .gg3), `s7-convert; s19-data`, `TAG=l2 DISTILL_ARGS="--assistant-layers 2" TRAIN_LIMIT=470 ... s19-train`,
 # `TAGS=l2 KS=3,4,5 ... s19-e2e`; the drafter packed as the default, then on a fresh machine the GGUF staged again and
 # e2e k 1-6 with it. Names under $OUT must not hold commas (the device tool does not bring such files back).
-# Next (issue #14): s20-concurrent (XLA's concurrent command-buffer scheduling end to end and in the GPU lane; the
-# 270M rows need the GGUF staged and s7-convert first, E4B's do not).
+# session 20 (issue #14): `IO_STEPS=bench IO_TIMEOUT=170 ... s20-io`, `IO_STEPS=vlog ... s20-io`, `IO_BENCHES=verify
+# IO_VERIFY_BS=16 IO_TIMEOUT=280 IO_VLOGS=<the two propose lines> ... s20-io` on one warm machine; `S20_REPEATS=1
+# E2E_TIMEOUT=130 ... s20-concurrent` (cut: E4B's cold compile outran 130 s); s20-fused, s20-fused-trace; the propose
+# variants in two opposite orders (inline). Next (issue #14): s20-concurrent with E2E_TIMEOUT=300 on a machine whose
+# compiles are warm (the 270M rows need the GGUF staged and s7-convert first, E4B's do not).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u

@@ -51,8 +51,9 @@
 # session 20 (issue #14): `IO_STEPS=bench IO_TIMEOUT=170 ... s20-io`, `IO_STEPS=vlog ... s20-io`, `IO_BENCHES=verify
 # IO_VERIFY_BS=16 IO_TIMEOUT=280 IO_VLOGS=<the two propose lines> ... s20-io` on one warm machine; `S20_REPEATS=1
 # E2E_TIMEOUT=130 ... s20-concurrent` (cut: E4B's cold compile outran 130 s); s20-fused, s20-fused-trace; the propose
-# variants in two opposite orders (inline). Next (issue #14): s20-concurrent with E2E_TIMEOUT=300 on a machine whose
-# compiles are warm (the 270M rows need the GGUF staged and s7-convert first, E4B's do not).
+# variants in two opposite orders (inline); the E2B engine's re-recorded nodes (inline). Next (issue #14): s21-pin
+# (JAXSPEC_PIN_OUTPUT measured), s20-concurrent with E2E_TIMEOUT=300 on a machine whose compiles are warm (the 270M
+# rows need the GGUF staged and s7-convert first, E4B's do not).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -628,6 +629,23 @@ s20-fused)  # issue #14: with stable addresses (s20-io), does the fused drafter 
   timeout 60 python3 -m jaxspec.bench trace /tmp/ps --rounds 20 --json "$OUT/trace-propose-stable.json" \
     >> "$OUT/propose-fused-stable.log" 2>&1
   grep "^propose ctx\|launches\|busy\|Error\|error:" "$OUT/propose-fused-stable.log" | head -8 ;;
+s21-pin)  # issue #14 (next): JAXSPEC_PIN_OUTPUT 0 against 1 (the decode call's output made at the program's start, so that
+  # no temporary shares its buffer). First XLA's count of re-recorded graph nodes a call (E2B, bs 1, R 1, overlap:
+  # session 20 saw 154 of 819 a plain call, 114 of 892 a k-3 round), then E4B end to end at bs 1 (R 1 and 4) with each
+  # value, then, where s7-convert left it, the default pair (switch_ab_270m at R 1)
+  vm=command_buffer_thunk=3,command_executor=2
+  for v in 0 1; do
+    JAXSPEC_PIN_OUTPUT=$v TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=$vm timeout ${PIN_TIMEOUT:-250} python3 -m jaxspec.bench \
+      e2e --preset E2B --bs 1 --prompt-len 256 --new-tokens 64 --modes off,bucketed -k 3 --rounds-per-call 1 \
+      --overlap on --json "$OUT/e2e-e2b-pin$v-vlog-experiment.json" > /tmp/pin$v.log 2>&1
+    echo "== JAXSPEC_PIN_OUTPUT=$v: $(grep -h '^e2e bs' /tmp/pin$v.log | tr '\n' ' ')"
+    grep -oE "Updated [0-9]+ commands in [0-9]+" /tmp/pin$v.log | awk '{n[$2]++; s[$2]+=$NF} END {for (k in n) \
+      printf "  graph %s: %d updates, mean %.0f us\n", k, n[k], s[k]/n[k]}' | sort -t: -k2 -rn | head -4 \
+      | tee "$OUT/pin$v-updates.txt"; done
+  for v in 0 1; do JAXSPEC_PIN_OUTPUT=$v timeout ${E2E_TIMEOUT:-300} python3 -m jaxspec.bench e2e --bs 1 --prompt-len 1024 \
+      --modes off,bucketed -k 3 --rounds-per-call 1,4 --overlap on --json "$OUT/e2e-e4b-pin$v.json" \
+      > "$OUT/e2e-e4b-pin$v.log" 2>&1; echo "== E4B JAXSPEC_PIN_OUTPUT=$v"; grep -h "^e2e bs" "$OUT/e2e-e4b-pin$v.log"; done
+  [ -d /root/gemma-3-270m ] && RS=1 switch_ab_270m JAXSPEC_PIN_OUTPUT pin ${AB_TIMEOUT:-200} ;;
 s20-fused-trace)  # issue #14: why the fused drafter step is slower with stable addresses: fused_stable and stable each
   # traced (the first variant listed is the traced one), one process each, side by side in one call
   for v in fused_stable stable; do o=$([ $v = stable ] && echo fused_stable || echo stable); rm -rf /tmp/pt

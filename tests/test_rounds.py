@@ -314,6 +314,24 @@ def test_split_products_engine_equals_transformers_greedy(oracle, monkeypatch):
     assert calls and min(shape[0] for shape in calls) > 1  # traced through the pieces, o's and down's
 
 
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_pinned_output_engine_equals_transformers_greedy(oracle, monkeypatch, rounds):
+    """JAXSPEC_PIN_OUTPUT=1 (off by default): the decode call's output is made at the program's start, behind an
+    optimization barrier, so that no temporary shares its buffer; at R 1 and 2 with overlap the engine still gives
+    transformers' greedy continuations (every committed token and count goes through that output). (Its effect,
+    read off XLA's buffer assignment on the CPU at bs 1: the output's buffer shared with 73 temporaries without it,
+    with none with it; BENCHMARKS.md session 20.)"""
+    cfg, params, acfg, aparams, prompts, outs = oracle
+    for switch in ("0", "1"):
+        monkeypatch.setenv("JAXSPEC_PIN_OUTPUT", switch)
+        eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
+                     max_context=64, prefill_chunk=8, rounds_per_call=rounds, overlap=True)
+        reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
+        eng.generate(reqs)
+        assert [r.output_ids for r in reqs] == [o[:12] for o in outs], f"JAXSPEC_PIN_OUTPUT={switch}"
+        assert eng.runner.programs.pin_output == (switch == "1")
+
+
 @pytest.mark.parametrize("switch", [None, "0"], ids=["default", "off"])
 def test_fused_qkv_engine_equals_transformers_greedy(oracle, monkeypatch, switch):
     """JAXSPEC_FUSE_QKV (default on, one device): the engine stores one q/k/v stack per layer group, and at R 2 with

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import stats
 
 from jaxspec.config import FULL, PRESETS, SLIDING, assistant_preset
 from jaxspec.engine import Engine, Request, SamplingParams
@@ -48,6 +49,27 @@ def load_reference(case: str) -> dict:
 
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
+
+
+# ---- Pearson's chi-square test of sampled counts against a law -------------------------------------------------------
+
+
+def chi_square_cells(law, n):
+    """The cells of the Pearson test for n samples: those expected >= 5 times, the rarer ones pooled into one."""
+    expected = law.reshape(-1) * n
+    keep = expected >= 5
+    pooled = expected[~keep].sum() > 0
+    return keep, int(keep.sum()) + int(pooled) - 1  # and the degrees of freedom
+
+
+def pearson_p(counts, law):
+    """p-value of `counts` (flat, one per cell of `law`) under `law`, the rare cells pooled (`chi_square_cells`)."""
+    n = counts.sum()
+    keep, _ = chi_square_cells(law, n)
+    expected = law.reshape(-1) * n
+    obs, exp = np.append(counts[keep], counts[~keep].sum()), np.append(expected[keep], expected[~keep].sum())
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
 # ---- the engine's shared fixtures: golden pairs, mixed prompts, plain greedy decoding as the reference ---------------

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import GREEDY, golden_path, load_reference, mixed_prompts, pair, run
+from conftest import (GREEDY, chi_square_cells, golden_path, load_reference, mixed_prompts, pair, pearson_p,
+                      run)
 from jaxspec import sampling
 from jaxspec.config import assistant_preset
 from jaxspec.engine import Engine, Request, SamplingParams
@@ -160,14 +161,6 @@ TV = 0.02  # the smallest total-variation error it must detect, with probability
 POWER = 0.9
 
 
-def chi_square_cells(law, n):
-    """The cells of the Pearson test for n samples: those expected >= 5 times, the rarer ones pooled into one."""
-    expected = law.reshape(-1) * n
-    keep = expected >= 5
-    pooled = expected[~keep].sum() > 0
-    return keep, int(keep.sum()) + int(pooled) - 1  # and the degrees of freedom
-
-
 def samples_needed(law):
     """The smallest n (a multiple of 1000) at which the chi-square test at level ALPHA rejects every law q with
     TV(q, law) >= TV with probability >= POWER. Pearson's statistic is then noncentral chi-square with
@@ -185,11 +178,7 @@ def chi_square_p(pairs, law):
     V = law.shape[0]
     counts = np.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V)
     assert counts[law.reshape(-1) == 0].sum() == 0, "a token transformers' warpers filter out was sampled"
-    keep, _ = chi_square_cells(law, len(pairs))
-    expected = law.reshape(-1) * len(pairs)
-    obs, exp = np.append(counts[keep], counts[~keep].sum()), np.append(expected[keep], expected[~keep].sum())
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+    return pearson_p(counts, law)
 
 
 @pytest.fixture(scope="module")

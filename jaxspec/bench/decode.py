@@ -104,7 +104,7 @@ def paged_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, args, sta
         cache.pool.prepare(rid, ctx - T, ctx)
     pages = PageTables(page_table=jnp.asarray(cache.pool.page_table(rids)), swa_of_full=cache.swa_of_full)
     cached_len, num_new = jnp.full(bs, ctx - T, jnp.int32), jnp.full(bs, T, jnp.int32)
-    box = [cache.kv, jnp.zeros((bs, cfg.vocab_size), jnp.float32)]
+    box = [cache.kv, jnp.zeros((bs, cfg.vocab_size), jnp.float32) if stable else None]
 
     def call(i):
         if stable:
@@ -163,7 +163,6 @@ def run(args) -> dict:
                 del call  # this figure's K/V (GiBs at bs 16) goes before the next figure allocates its own
             if traced is not None:
                 profile_calls(args, traced, f"paged step of {T} position(s), bs {bs} ctx {ctx}")
-                traced = None
     keys = [k for k in needs[0] if k not in ("bs", "ctx")]
     print_table(f"MiB one decode step reads, each once (the HBM bound is total / {args.hbm_bw:.3g} B/s)",
                 [("bs", "bs", "{}"), ("ctx", "ctx", "{}")] + [(k, k, "{:.1f}") for k in keys],

@@ -1,5 +1,6 @@
 """`python -m jaxspec.distill`: train a `gemma4_assistant` drafter for a frozen target on the target's own greedy
-(and, with --sampled-copies, sampled) continuations, with exactly the objective the drafter is used with (DESIGN.md §3; the method: `jaxspec.distill`).
+(and, with --sampled-copies, sampled) continuations, with exactly the objective the drafter is used with (DESIGN.md
+§3; the method: `jaxspec.distill`).
 
 Outputs: the HF assistant folder (--out, bf16, loads with `load_assistant`), its packed form for shipping
 (`jaxspec.model.packed`, --packed-out) and distill.json (hyperparameters, data sizes, final metrics).

@@ -71,6 +71,17 @@ def padded_batches(n: int, batch: int):
         yield rows, np.concatenate([rows, np.zeros(batch - len(rows), np.int64)])
 
 
+def batches_by_length(prompts: list[list[int]], rows: np.ndarray, batch: int):
+    """(the rows of one batch, int32[batch, P] their prompts padded with the batch's first) for `rows` of `prompts`,
+    grouped by prompt length (one compiled program per length), `batch` at a time."""
+    lengths = np.asarray([len(prompts[i]) for i in rows], np.int32)
+    for P in sorted(set(lengths.tolist())):
+        idx = rows[lengths == P]
+        group = np.asarray([prompts[i] for i in idx], np.int32)
+        for part, padded in padded_batches(len(idx), batch):
+            yield idx[part], group[padded]
+
+
 def greedy_continuations(params, cfg: TargetConfig, prompts: list[list[int]], new_tokens: int, batch: int, *,
                          known: dict | None = None, deadline: float | None = None, on_batch=None):
     """The target's greedy continuations int32[N, new_tokens] of prompts and bool[N]: which rows are filled.
@@ -86,19 +97,14 @@ def greedy_continuations(params, cfg: TargetConfig, prompts: list[list[int]], ne
         c = known.get(tuple(p))
         if c is not None:
             conts[i], done[i] = c, True
-    todo = np.flatnonzero(~done)
-    prompt_len = np.asarray([len(prompts[i]) for i in todo], np.int32)
-    for P in sorted(set(prompt_len.tolist())):
-        idx = todo[prompt_len == P]
-        group = np.asarray([prompts[i] for i in idx], np.int32)
-        for rows, padded in padded_batches(len(idx), batch):
-            if deadline is not None and time.monotonic() > deadline:
-                return conts, done
-            out = np.asarray(_greedy(params, cfg, jnp.asarray(group[padded]), new_tokens))[: len(rows)]
-            conts[idx[rows]], done[idx[rows]] = out, True
-            known.update((tuple(prompts[i]), c) for i, c in zip(idx[rows], out))
-            if on_batch is not None:
-                on_batch()
+    for rows, group in batches_by_length(prompts, np.flatnonzero(~done), batch):
+        if deadline is not None and time.monotonic() > deadline:
+            return conts, done
+        out = np.asarray(_greedy(params, cfg, jnp.asarray(group), new_tokens))[: len(rows)]
+        conts[rows], done[rows] = out, True
+        known.update((tuple(prompts[i]), c) for i, c in zip(rows, out))
+        if on_batch is not None:
+            on_batch()
     return conts, done
 
 
@@ -111,16 +117,11 @@ def sampled_continuations(params, cfg: TargetConfig, prompts: list[list[int]], n
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
     base = jax.random.fold_in(jax.random.PRNGKey(seed), copy)
-    N = len(prompts)
-    conts = np.zeros((N, new_tokens), np.int32)
-    prompt_len = np.asarray([len(p) for p in prompts], np.int32)
-    for P in sorted(set(prompt_len.tolist())):
-        idx = np.flatnonzero(prompt_len == P)
-        group = np.asarray([prompts[i] for i in idx], np.int32)
-        for rows, padded in padded_batches(len(idx), batch):
-            key = jax.random.fold_in(base, int(idx[rows[0]]))
-            out = _sampled(params, cfg, jnp.asarray(group[padded]), new_tokens, jnp.float32(temperature), key)
-            conts[idx[rows]] = np.asarray(out)[: len(rows)]
+    conts = np.zeros((len(prompts), new_tokens), np.int32)
+    for rows, group in batches_by_length(prompts, np.arange(len(prompts)), batch):
+        key = jax.random.fold_in(base, int(rows[0]))
+        conts[rows] = np.asarray(_sampled(params, cfg, jnp.asarray(group), new_tokens, jnp.float32(temperature),
+                                          key))[: len(rows)]
     return conts
 
 

@@ -81,7 +81,8 @@ def test_memory(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["kernels", "--bs", "1,x"], ["propose", "--variants", "bucketed,split"],
-                                  ["e2e", "--modes", "off,bucketed-foo"]])
+                                  ["e2e", "--modes", "off,bucketed-foo"], ["verify", "--cache", "paged,dense"],
+                                  ["decode", "--cache", "paged,stable"]])
 def test_bad_lists_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)

@@ -19,6 +19,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import golden_path
+from jaxspec.config import SWITCHES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -250,10 +251,7 @@ def test_bad_compile_threads_is_one_line_before_anything_loads(value, monkeypatc
     assert err == f"error: JAXSPEC_COMPILE_THREADS must be a whole number >= 1, got {value!r}" and not out.exists()
 
 
-@pytest.mark.parametrize("name", ["JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE", "JAXSPEC_UNROLL_ROUNDS",
-                                  "JAXSPEC_ATTN_GATHER_Q", "JAXSPEC_FUSE_QKV", "JAXSPEC_ATTN_MERGED",
-                                  "JAXSPEC_ATTN_PREFETCH", "JAXSPEC_FUSED_NORMS",
-                                  "JAXSPEC_JOINT_QK_NORM", "JAXSPEC_GEMV"])
+@pytest.mark.parametrize("name", SWITCHES)
 def test_bad_switch_is_one_line_before_anything_loads(name, monkeypatch, capsys, tmp_path):
     """The on/off environment switches take 0 or 1; anything else is one line, exit 2, no output file."""
     from jaxspec.generate import main

@@ -14,9 +14,11 @@ bench/results/h200-trace-propose-bs1.json). Here each product carries what surro
     mlp_down         d   = W_d · m
     final_projection hn  = norm((x1 + norm(d)·n3) · layer_scalar)·n_final;  h_next = W_post · hn
 
-Every program reads the whole (small) rows it normalises and a few rows of the weight (4 to 16), so a product spreads
-over 32 to 256 programs that each stream a few KB, the way XLA's small reduce fusions do; the rows are multiplied by
-broadcast and sum (not `tt.dot`, whose 16-row tiles would be 1/16 used at batch 1). A norm needs the full row, so a
+Every program reads the whole (small) rows it normalises and a few rows of the weight (2 to 16), so a product spreads
+over 128 to 256 programs that each stream a few KB, the way XLA's small reduce fusions do; the rows are multiplied by
+broadcast and sum (not `tt.dot`, whose 16-row tiles would be 1/16 used at batch 1). A program loads its whole weight
+block first, every chunk at once (a static unroll, no loop), before its prologue's loads and norms: one memory round
+trip, not one per chunk and phase (tests/test_triton_lowering.py checks the order in the Triton IR). A norm needs the full row, so a
 split product cannot normalise its own output: the next kernel does, in its prologue. Values are rounded to the
 compute dtype exactly where the reference rounds (each product's output, each norm's, each residual sum), so bf16
 results differ from the reference only by summation order. Weight stacks are read at a static layer index through
@@ -42,6 +44,12 @@ warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated
 
 MAX_BLOCK_ROWS = 16
 TILE = 8192  # elements of a program's [rows, weight rows, chunk] product: its registers
+# Weight rows a program of the products with a long input (pre, o, down: K 1 024-5 120) multiplies: 2 spreads E4B's
+# drafter's 256 outputs over 128 programs, one per multiprocessor of the H200, each holding 2 x K weights in flight
+# (4 left 64 of its 132 multiprocessors idle; session 20's trace: down 2.7 µs, o 4.9 µs where XLA's take 1.8)
+PROGRAM_ROWS = 2
+UP_ROWS = 8  # gate rows (and as many up rows) a program of mlp_up multiplies (K: the drafter's hidden size)
+FINAL_ROWS = 16  # output rows a program of the final (post) projection multiplies
 
 
 def padded_rows(n: int) -> int:
@@ -101,17 +109,25 @@ def _cols(ref, k0, size):
     return ref[:, pl.ds(k0, size)].astype(jnp.float32)
 
 
-def _products(x_cols, weights, *, K: int, block_k: int, rows: int):
-    """Σ over column chunks of x [rows, chunk] (fp32, already rounded as the reference's operand) times each weight
-    chunk [N, chunk]: one fp32 [rows, N] accumulator per weight. x_cols(k0): the rows' columns; weights: functions
-    k0 -> [N, chunk]."""
-    def body(j, accs):
-        k0 = pl.multiple_of(j * block_k, block_k)
-        x = x_cols(k0)[:, None, :]
-        return tuple(acc + jnp.sum(x * w(k0).astype(jnp.float32)[None, :, :], axis=2) for acc, w in zip(accs, weights))
+def _load_chunks(w, *, K: int, block_k: int):
+    """Every column chunk [N, block_k] of a program's weight block (w: k0 -> its load), loaded at once. Kernels call
+    this first, before their prologue's loads and norms: the chunks' loads are then all in flight together, one
+    memory round trip for the whole block. (Session 20's trace of these kernels: chunks loaded in a loop, one
+    dependent round trip after another, made an o projection of 0.5 MB take 4.9 µs where XLA's takes 1.8.)"""
+    return [w(k0) for k0 in range(0, K, block_k)]
 
-    init = tuple(jnp.zeros((rows, w(0).shape[0]), jnp.float32) for w in weights)
-    return lax.fori_loop(0, K // block_k, body, init)
+
+def _products(x_cols, weights, *, block_k: int):
+    """Σ over column chunks of x [rows, chunk] (fp32, already rounded as the reference's operand) times each weight's
+    chunk [N, chunk], chunk by chunk in column order (a static unroll, no loop): one fp32 [rows, N] accumulator per
+    weight. x_cols(k0): the rows' columns; weights: each weight's chunks (`_load_chunks`)."""
+    accs = [None] * len(weights)
+    for j in range(len(weights[0])):
+        x = x_cols(j * block_k)[:, None, :]
+        for i, chunks in enumerate(weights):
+            p = jnp.sum(x * chunks[j].astype(jnp.float32)[None, :, :], axis=2)
+            accs[i] = p if accs[i] is None else accs[i] + p
+    return tuple(accs)
 
 
 class _Stream:
@@ -148,17 +164,17 @@ def _whole(shape):
 
 
 def _pre_kernel(tok_ref, seed_ref, emb_ref, w_ref, o_ref, *, scale, block_k, backbone):
+    w_e = _load_chunks(lambda k0: w_ref[:, pl.ds(k0, block_k)], K=backbone, block_k=block_k)
+    w_s = _load_chunks(lambda k0: w_ref[:, pl.ds(backbone + k0, block_k)], K=backbone, block_k=block_k)
     tok = jnp.clip(tok_ref[...], 0, emb_ref.shape[0] - 1)  # [M]; an id past the table must not read past it
     dtype = o_ref.dtype
-    M = o_ref.shape[0]
 
     def emb_cols(k0):  # E_target[tok]·√Ht, rounded as the reference rounds it
         e = emb_ref[tok, pl.ds(k0, block_k)].astype(jnp.float32) * scale
         return _round(_round(e, emb_ref.dtype), dtype)
 
-    (acc_e,) = _products(emb_cols, (lambda k0: w_ref[:, pl.ds(k0, block_k)],), K=backbone, block_k=block_k, rows=M)
-    (acc_s,) = _products(lambda k0: _round(_cols(seed_ref, k0, block_k), dtype),
-                         (lambda k0: w_ref[:, pl.ds(backbone + k0, block_k)],), K=backbone, block_k=block_k, rows=M)
+    (acc_e,) = _products(emb_cols, (w_e,), block_k=block_k)
+    (acc_s,) = _products(lambda k0: _round(_cols(seed_ref, k0, block_k), dtype), (w_s,), block_k=block_k)
     o_ref[...] = (acc_e + acc_s).astype(dtype)
 
 
@@ -170,7 +186,7 @@ def pre_projection(tokens, seed, target_embed, w_pre, *, interpret=None):
     M = _block_rows(B)
     if tokens.shape != (B,):
         raise ValueError(f"tokens {tokens.shape} and seed rows {B} must agree")
-    bn = 4
+    bn = PROGRAM_ROWS
     bk = _pow2_divisor(Ht, max(16, TILE // (M * bn)))
     scale = float(np.float32(np.sqrt(Ht)).astype(target_embed.dtype))  # `sqrt_scale`, on the host
     kernel = functools.partial(_pre_kernel, scale=scale, block_k=bk, backbone=Ht)
@@ -199,6 +215,8 @@ Q_ROWS = 8  # weight rows a q program multiplies: divides every head's half
 
 
 def _q_kernel(*refs, eps, chained, dtype, block_k):
+    w_ref = refs[-4 if chained else -3]
+    w = _load_chunks(lambda k0: w_ref[:, pl.ds(k0, block_k)], K=w_ref.shape[1], block_k=block_k)
     if chained:
         x1_ref, d_ref, n3_ref, ls_ref, n0_ref, w_ref, q_ref, qs_ref, x_ref = refs
         stream = _Stream(x1_ref, d_ref, n3_ref, ls_ref[0], eps=eps, dtype=dtype)
@@ -206,8 +224,7 @@ def _q_kernel(*refs, eps, chained, dtype, block_k):
         x_ref, n0_ref, w_ref, q_ref, qs_ref = refs
         stream = _Stream(x_ref, eps=eps, dtype=dtype)
     normed = stream.normed(n0_ref, eps)
-    (q,) = _products(lambda k0: normed(k0, block_k), (lambda k0: w_ref[:, pl.ds(k0, block_k)],), K=w_ref.shape[1],
-                     block_k=block_k, rows=q_ref.shape[0])
+    (q,) = _products(lambda k0: normed(k0, block_k), (w,), block_k=block_k)
     q = q.astype(q_ref.dtype)
     q_ref[...] = q
     qs_ref[...] = q  # the same values at the rotate-half partner's columns (the out BlockSpec's shift)
@@ -306,14 +323,11 @@ def rope_tables(positions, inv_freq):
 
 def _o_kernel(a_ref, w_ref, o_ref, *, num_kv_heads, group, head_dim, block_k):
     dtype = o_ref.dtype
-    accs = []
-    for kvh in range(num_kv_heads):
-        for g in range(group):
-            h = kvh * group + g
-            accs.append(_products(
-                lambda k0, kvh=kvh, g=g: _round(a_ref[:, kvh, g, pl.ds(k0, block_k)].astype(jnp.float32), dtype),
-                (lambda k0, h=h: w_ref[:, pl.ds(h * head_dim + k0, block_k)],), K=head_dim, block_k=block_k,
-                rows=o_ref.shape[0])[0])
+    heads = [(kvh, g) for kvh in range(num_kv_heads) for g in range(group)]
+    w = [_load_chunks(lambda k0, h=h: w_ref[:, pl.ds(h * head_dim + k0, block_k)], K=head_dim, block_k=block_k)
+         for h in range(len(heads))]
+    accs = [_products(lambda k0, kvh=kvh, g=g: _round(a_ref[:, kvh, g, pl.ds(k0, block_k)].astype(jnp.float32), dtype),
+                      (w[h],), block_k=block_k)[0] for h, (kvh, g) in enumerate(heads)]
     o_ref[...] = sum(accs).astype(dtype)
 
 
@@ -323,7 +337,7 @@ def o_proj(a_rows, w_o, layer, *, num_heads, interpret=None):
     B, KVH, R, D = a_rows.shape
     H = w_o.shape[1]
     M = _block_rows(B)
-    bn = 4
+    bn = PROGRAM_ROWS
     kernel = functools.partial(_o_kernel, num_kv_heads=KVH, group=num_heads // KVH, head_dim=D,
                                block_k=_chunk_size(D, M, bn))
     return pl.pallas_call(
@@ -347,6 +361,9 @@ def o_proj_ref(a_rows, w_o, layer, *, num_heads, interpret=None):
 
 
 def _up_kernel(x_ref, o_ref, n1_ref, n2_ref, wg_ref, wu_ref, m_ref, x1_ref, *, eps, block_k):
+    H = x_ref.shape[1]
+    wg = _load_chunks(lambda k0: wg_ref[:, pl.ds(k0, block_k)], K=H, block_k=block_k)
+    wu = _load_chunks(lambda k0: wu_ref[:, pl.ds(k0, block_k)], K=H, block_k=block_k)
     dtype = m_ref.dtype
     r_o = _inv_rms(o_ref[...].astype(jnp.float32), eps)
 
@@ -354,12 +371,10 @@ def _up_kernel(x_ref, o_ref, n1_ref, n2_ref, wg_ref, wu_ref, m_ref, x1_ref, *, e
         y = _round(_cols(o_ref, k0, size) * r_o * _cols(n1_ref, k0, size), dtype)
         return _round(_cols(x_ref, k0, size) + y, dtype)
 
-    H = x_ref.shape[1]
     x1 = x1_cols(0, H)
     r2 = _inv_rms(x1, eps)
-    g, u = _products(lambda k0: _round(x1_cols(k0, block_k) * r2 * _cols(n2_ref, k0, block_k), dtype),
-                     (lambda k0: wg_ref[:, pl.ds(k0, block_k)], lambda k0: wu_ref[:, pl.ds(k0, block_k)]),
-                     K=H, block_k=block_k, rows=m_ref.shape[0])
+    g, u = _products(lambda k0: _round(x1_cols(k0, block_k) * r2 * _cols(n2_ref, k0, block_k), dtype), (wg, wu),
+                     block_k=block_k)
     m_ref[...] = (gelu_tanh(_round(g, dtype)) * _round(u, dtype)).astype(dtype)
 
     @pl.when(pl.program_id(1) == 0)
@@ -373,7 +388,7 @@ def mlp_up(x, o, norms, gate_up, layer, *, eps, interpret=None):
     B, H = x.shape
     I = gate_up.shape[1] // 2
     M = _block_rows(B)
-    bn = 8
+    bn = UP_ROWS
     rows = pl.BlockSpec((M, H), lambda i, n: (i, 0))
     return pl.pallas_call(
         functools.partial(_up_kernel, eps=eps, block_k=_chunk_size(H, M, 2 * bn)), grid=(B // M, I // bn),
@@ -398,10 +413,9 @@ def mlp_up_ref(x, o, norms, gate_up, layer, *, eps, interpret=None):
 
 
 def _down_kernel(m_ref, w_ref, d_ref, *, block_k):
+    w = _load_chunks(lambda k0: w_ref[:, pl.ds(k0, block_k)], K=m_ref.shape[1], block_k=block_k)
     dtype = d_ref.dtype
-    (acc,) = _products(lambda k0: _round(_cols(m_ref, k0, block_k), dtype),
-                       (lambda k0: w_ref[:, pl.ds(k0, block_k)],), K=m_ref.shape[1], block_k=block_k,
-                       rows=d_ref.shape[0])
+    (acc,) = _products(lambda k0: _round(_cols(m_ref, k0, block_k), dtype), (w,), block_k=block_k)
     d_ref[...] = acc.astype(dtype)
 
 
@@ -410,7 +424,7 @@ def mlp_down(m, down, layer, *, interpret=None):
     B, I = m.shape
     H = down.shape[1]
     M = _block_rows(B)
-    bn = 4
+    bn = PROGRAM_ROWS
     return pl.pallas_call(
         functools.partial(_down_kernel, block_k=_chunk_size(I, M, bn)), grid=(B // M, H // bn),
         in_specs=[pl.BlockSpec((M, I), lambda i, n: (i, 0)),
@@ -430,11 +444,11 @@ def mlp_down_ref(m, down, layer, *, interpret=None):
 
 
 def _final_kernel(x1_ref, d_ref, n3_ref, ls_ref, nf_ref, w_ref, h_ref, hn_ref, *, eps, block_k):
+    w = _load_chunks(lambda k0: w_ref[:, pl.ds(k0, block_k)], K=x1_ref.shape[1], block_k=block_k)
     dtype = h_ref.dtype
     stream = _Stream(x1_ref, d_ref, n3_ref, ls_ref[0], eps=eps, dtype=dtype)
     normed = stream.normed(nf_ref, eps)
-    (h,) = _products(lambda k0: normed(k0, block_k), (lambda k0: w_ref[:, pl.ds(k0, block_k)],),
-                     K=x1_ref.shape[1], block_k=block_k, rows=h_ref.shape[0])
+    (h,) = _products(lambda k0: normed(k0, block_k), (w,), block_k=block_k)
     h_ref[...] = h.astype(dtype)
 
     @pl.when(pl.program_id(1) == 0)
@@ -448,7 +462,7 @@ def final_projection(x1, d, norms, layer, layer_scalar, final_norm, w_post, *, e
     B, H = x1.shape
     Ht = w_post.shape[0]
     M = _block_rows(B)
-    bn = 16
+    bn = FINAL_ROWS
     rows = pl.BlockSpec((M, H), lambda i, n: (i, 0))
     h_next, hn = pl.pallas_call(
         functools.partial(_final_kernel, eps=eps, block_k=_chunk_size(H, M, bn)), grid=(B // M, Ht // bn),

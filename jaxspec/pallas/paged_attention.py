@@ -270,8 +270,9 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, gather_q=None):
     or with gather_q (`_own_rows`) the whole output [Bq, Tq * NH, D] in q's layout, written at this program's rows
     and columns.
     """
+    o = o_ref[...]  # loaded first: in flight with m and l, not after the weights made of them
     w, denom = _merge_weights(m_ref[...], l_ref[...])  # [S, block_q], [block_q]
-    acc = jnp.sum(w[:, :, None] * o_ref[...], axis=0)  # [block_q, block_d]
+    acc = jnp.sum(w[:, :, None] * o, axis=0)  # [block_q, block_d]
     out = (acc / denom[:, None]).astype(out_ref.dtype)
     if gather_q is None:
         out_ref[...] = out

@@ -54,6 +54,10 @@
 # variants in two opposite orders (inline); the E2B engine's re-recorded nodes (inline). Next (issue #14): s21-pin
 # (JAXSPEC_PIN_OUTPUT measured), s20-concurrent with E2E_TIMEOUT=300 on a machine whose compiles are warm (the 270M
 # rows need the GGUF staged and s7-convert first, E4B's do not).
+# session 21 (issue #14): s21-propose-hlo then `PIN_STEPS=vlog PIN_TIMEOUT=200 ... s21-pin`; `PIN_STEPS=e4b
+# E2E_TIMEOUT=285 ... s21-pin`; s21-pin-ab, then on the same warm machine `PIN_VALUES="1 0"` (files renamed *-rev).
+# Next (issue #14): s22-fused (the fused drafter kernels with their weights loaded at once; FUSED_E2E=1 on a warm
+# machine), s20-concurrent with E2E_TIMEOUT=300 after warm compiles.
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -632,9 +636,9 @@ s20-fused)  # issue #14: with stable addresses (s20-io), does the fused drafter 
 s21-pin)  # issue #14 (next): JAXSPEC_PIN_OUTPUT 0 against 1 (the decode call's output made at the program's start, so that
   # no temporary shares its buffer). First XLA's count of re-recorded graph nodes a call (E2B, bs 1, R 1, overlap:
   # session 20 saw 154 of 819 a plain call, 114 of 892 a k-3 round), then E4B end to end at bs 1 (R 1 and 4) with each
-  # value, then, where s7-convert left it, the default pair (switch_ab_270m at R 1)
+  # value, then, where s7-convert left it, the default pair (switch_ab_270m at R 1). PIN_STEPS: any of "vlog e4b 270m"
   vm=command_buffer_thunk=3,command_executor=2
-  for v in 0 1; do
+  [[ " ${PIN_STEPS:-vlog e4b 270m} " == *" vlog "* ]] && for v in 0 1; do
     JAXSPEC_PIN_OUTPUT=$v TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=$vm timeout ${PIN_TIMEOUT:-250} python3 -m jaxspec.bench \
       e2e --preset E2B --bs 1 --prompt-len 256 --new-tokens 64 --modes off,bucketed -k 3 --rounds-per-call 1 \
       --overlap on --json "$OUT/e2e-e2b-pin$v-vlog-experiment.json" > /tmp/pin$v.log 2>&1
@@ -642,10 +646,49 @@ s21-pin)  # issue #14 (next): JAXSPEC_PIN_OUTPUT 0 against 1 (the decode call's 
     grep -oE "Updated [0-9]+ commands in [0-9]+" /tmp/pin$v.log | awk '{n[$2]++; s[$2]+=$NF} END {for (k in n) \
       printf "  graph %s: %d updates, mean %.0f us\n", k, n[k], s[k]/n[k]}' | sort -t: -k2 -rn | head -4 \
       | tee "$OUT/pin$v-updates.txt"; done
-  for v in 0 1; do JAXSPEC_PIN_OUTPUT=$v timeout ${E2E_TIMEOUT:-300} python3 -m jaxspec.bench e2e --bs 1 --prompt-len 1024 \
+  [[ " ${PIN_STEPS:-vlog e4b 270m} " == *" e4b "* ]] && for v in ${PIN_VALUES:-0 1}; do JAXSPEC_PIN_OUTPUT=$v \
+      timeout ${E2E_TIMEOUT:-300} python3 -m jaxspec.bench e2e --bs 1 --prompt-len 1024 \
       --modes off,bucketed -k 3 --rounds-per-call 1,4 --overlap on --json "$OUT/e2e-e4b-pin$v.json" \
       > "$OUT/e2e-e4b-pin$v.log" 2>&1; echo "== E4B JAXSPEC_PIN_OUTPUT=$v"; grep -h "^e2e bs" "$OUT/e2e-e4b-pin$v.log"; done
-  [ -d /root/gemma-3-270m ] && RS=1 switch_ab_270m JAXSPEC_PIN_OUTPUT pin ${AB_TIMEOUT:-200} ;;
+  [[ " ${PIN_STEPS:-vlog e4b 270m} " == *" 270m "* ]] && [ -d /root/gemma-3-270m ] && RS=1 switch_ab_270m \
+    JAXSPEC_PIN_OUTPUT pin ${AB_TIMEOUT:-200}; true ;;
+s22-fused)  # issue #14 (next): the fused drafter kernels with their weights loaded at once (session 21: no chunk loop, every
+  # weight load issued before the prologue's; 2 weight rows a program for pre / o / down). Their GPU lane, then the
+  # propose (E4B drafter, k 3, 4K) at bs 1 and 64 in two processes of opposite order (stable, fused_stable), each
+  # traced last (kernels and launches a propose); then, with FUSED_E2E=1, E4B end to end at bs 1 (bucketed against
+  # bucketed-fused, R 4)
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_draft_layer.py tests/test_drafter.py \
+    -k "fused or kernel or comparison or prologue" > "$OUT/tests-fused.txt" 2>&1; grep -E "passed|failed" "$OUT/tests-fused.txt" | tail -2
+  for order in stable,fused_stable fused_stable,stable; do t=${order%%,*}; rm -rf /tmp/pf
+    XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${FUSED_TIMEOUT:-200} python3 -m jaxspec.bench \
+      propose --bs 1,64 --ctx 4096 --variants $order --profile-dir /tmp/pf --json "$OUT/propose-first-$t.json" \
+      > "$OUT/propose-first-$t.log" 2>&1
+    timeout 60 python3 -m jaxspec.bench trace /tmp/pf --rounds 20 --top 60 --json "$OUT/trace-propose-first-$t.json" \
+      >> "$OUT/propose-first-$t.log" 2>&1
+    echo "== $order"; grep "^propose ctx\|launches\|Error\|error:" "$OUT/propose-first-$t.log" | head -5; done
+  [ "${FUSED_E2E:-0}" = 1 ] || exit 0
+  timeout ${E2E_TIMEOUT:-300} python3 -m jaxspec.bench e2e --bs 1 --prompt-len 1024 --modes off,bucketed,bucketed-fused \
+    -k 3 --rounds-per-call 4 --overlap on --json "$OUT/e2e-e4b-fused.json" > "$OUT/e2e-e4b-fused.log" 2>&1
+  grep -h "^e2e bs\|Error" "$OUT/e2e-e4b-fused.log" ;;
+s21-pin-ab)  # issue #14: JAXSPEC_PIN_OUTPUT's GPU lane (the engine against transformers' greedy with the switch 0 and 1,
+  # Triton kernels, fp32), then E2B end to end at bs 1 (R 1 and 4, overlap) with the switch 0 and 1 side by side
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_rounds.py -k pinned \
+    > "$OUT/tests-pin.txt" 2>&1; grep -E "passed|failed" "$OUT/tests-pin.txt" | tail -2
+  for v in ${PIN_VALUES:-0 1}; do JAXSPEC_PIN_OUTPUT=$v timeout ${E2E_TIMEOUT:-200} python3 -m jaxspec.bench e2e \
+      --preset E2B --bs 1 --prompt-len 256 --new-tokens 128 --modes off,bucketed -k 3 --rounds-per-call 1,4 \
+      --overlap on --json "$OUT/e2e-e2b-pin$v.json" > "$OUT/e2e-e2b-pin$v.log" 2>&1
+    echo "== E2B JAXSPEC_PIN_OUTPUT=$v"; grep -h "^e2e bs\|Error" "$OUT/e2e-e2b-pin$v.log"; done ;;
+s21-propose-hlo)  # issue #14: E4B's drafter propose (bs 1, 4K, the stable variant: inputs on the device) traced with
+  # XLA's optimized HLO beside it, so that `bench trace --hlo` names every kernel of a propose (shape and jax op)
+  rm -rf /tmp/hlo /tmp/ph
+  XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true --xla_dump_to=/tmp/hlo" timeout ${PROPOSE_TIMEOUT:-150} \
+    python3 -m jaxspec.bench propose --bs 1 --ctx 4096 --variants stable --profile-dir /tmp/ph \
+    --json "$OUT/propose-hlo-experiment.json" > "$OUT/propose-hlo.log" 2>&1
+  f=$(ls -S /tmp/hlo/*after_optimizations.txt 2>/dev/null | head -1)
+  [ -n "$f" ] && xz -c "$f" > "$OUT/propose-hlo.txt.xz"
+  timeout 120 python3 -m jaxspec.bench trace /tmp/ph --rounds 20 --top 400 $([ -n "$f" ] && echo "--hlo $f") \
+    --json "$OUT/trace-propose-hlo-experiment.json" >> "$OUT/propose-hlo.log" 2>&1
+  grep "^propose ctx\|launches\|Error\|error" "$OUT/propose-hlo.log" | head -6 ;;
 s20-fused-trace)  # issue #14: why the fused drafter step is slower with stable addresses: fused_stable and stable each
   # traced (the first variant listed is the traced one), one process each, side by side in one call
   for v in fused_stable stable; do o=$([ $v = stable ] && echo fused_stable || echo stable); rm -rf /tmp/pt

@@ -57,7 +57,8 @@
 # session 21 (issue #14): s21-propose-hlo then `PIN_STEPS=vlog PIN_TIMEOUT=200 ... s21-pin`; `PIN_STEPS=e4b
 # E2E_TIMEOUT=285 ... s21-pin`; s21-pin-ab, then on the same warm machine `PIN_VALUES="1 0"` (files renamed *-rev).
 # Next (issue #14): s22-fused (the fused drafter kernels with their weights loaded at once; FUSED_E2E=1 on a warm
-# machine), s20-concurrent with E2E_TIMEOUT=300 after warm compiles.
+# machine), s22-cluster (a dependent phase's cost in a cluster kernel), s20-concurrent with E2E_TIMEOUT=300 after
+# warm compiles.
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -652,6 +653,12 @@ s21-pin)  # issue #14 (next): JAXSPEC_PIN_OUTPUT 0 against 1 (the decode call's 
       > "$OUT/e2e-e4b-pin$v.log" 2>&1; echo "== E4B JAXSPEC_PIN_OUTPUT=$v"; grep -h "^e2e bs" "$OUT/e2e-e4b-pin$v.log"; done
   [[ " ${PIN_STEPS:-vlog e4b 270m} " == *" 270m "* ]] && [ -d /root/gemma-3-270m ] && RS=1 switch_ab_270m \
     JAXSPEC_PIN_OUTPUT pin ${AB_TIMEOUT:-200}; true ;;
+s22-cluster)  # issue #14 (next): what one dependent phase costs inside a thread-block-cluster kernel (Mosaic GPU), the
+  # road under the ~90-phase floor of a kernel per phase (BENCHMARKS.md session 21): bench/diag_cluster.py, chains of
+  # 1-6 dependent products in one cluster kernel (C 2-16 blocks, weights prefetched or streamed by the TMA) against
+  # XLA's chain; µs per more layer for each. CPU-checked (--check: lowered for CUDA, the interpreter = the jnp chain)
+  timeout ${CLUSTER_TIMEOUT:-240} python3 bench/diag_cluster.py --json "$OUT/diag-cluster.json" > "$OUT/diag-cluster.log" 2>&1
+  grep -v "^W\|^I" "$OUT/diag-cluster.log" | tail -30 ;;
 s22-fused)  # issue #14 (next): the fused drafter kernels with their weights loaded at once (session 21: no chunk loop, every
   # weight load issued before the prologue's; 2 weight rows a program for pre / o / down). Their GPU lane, then the
   # propose (E4B drafter, k 3, 4K) at bs 1 and 64 in two processes of opposite order (stable, fused_stable), each

@@ -319,14 +319,19 @@ def test_trace_names_kernels_from_the_hlo(tmp_path, capsys):
         assert line.startswith("error: --hlo:"), line
 
 
-def _diag_splits():
+def _bench_script(name: str):
+    """A script of bench/ (not a package) imported as a module."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "diag_splits.py")
-    spec = importlib.util.spec_from_file_location("diag_splits", path)
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _diag_splits():
+    return _bench_script("diag_splits")
 
 
 def test_diag_splits_variants_equal_one_piece(tmp_path):
@@ -349,3 +354,28 @@ def test_diag_splits_bad_lists_exit_2(argv, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert argv[-1] in err[-1]  # the last line (after usage) names what was given
+
+
+def _diag_cluster():
+    return _bench_script("diag_cluster")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_diag_cluster_kernel_equals_the_chain_and_its_race_shows(capsys):
+    """bench/diag_cluster.py (a chain of dependent products in one Mosaic GPU cluster kernel): lowered for CUDA and
+    run in Mosaic GPU's interpreter (blocks, shared memory and barriers simulated on the CPU), each config and form
+    equals the jnp chain; without its cluster barriers a block reads the next input before the others stored their
+    slices, and the check fails."""
+    diag = _diag_cluster()
+    assert diag.check([(2, 128), (4, 256)], [1, 2]) == 0
+    assert diag.check([(4, 256)], [2], sync=False) > 0
+    out = capsys.readouterr().out
+    assert out.count(" ok") == 8 and "MISMATCH" in out
+
+
+@pytest.mark.parametrize("argv", [["--configs", "4:100"], ["--layers", "0"], ["--configs", "x"]])
+def test_diag_cluster_bad_lists_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        _diag_cluster().main(argv)
+    assert e.value.code == 2
+    assert argv[-1] in capsys.readouterr().err.strip().splitlines()[-1]

@@ -117,6 +117,21 @@ def triton_modules(monkeypatch):
     return modules
 
 
+def loads_after_first_reduction(text: str) -> list[str]:
+    """The lines of a Triton kernel's loads that come after its first reduction, in program order, less the loads
+    Pallas makes of an output block right before storing it (`ref[...] = v` is a swap: a load, then a store to the
+    same pointer, the loaded value unused)."""
+    lines = text.splitlines()
+    stored = {m.group(1) for m in (re.search(r"tt\.store (%[\w#]+),", line) for line in lines) if m}
+    after, seen = [], False
+    for line in lines:
+        seen = seen or '"tt.reduce"' in line
+        load = re.search(r"= tt\.load (%[\w#]+)", line)
+        if seen and load and load.group(1) not in stored:
+            after.append(line.strip())
+    return after
+
+
 def elements_loaded_before_first_reduction(text: str) -> int:
     """Elements of the tensors a Triton kernel loads before its first reduction, in program order."""
     total = 0
@@ -132,8 +147,10 @@ def elements_loaded_before_first_reduction(text: str) -> int:
 def test_fused_draft_kernels_load_their_weights_at_once(triton_modules):
     """Each of the fused drafter step's products issues all its weight loads before anything that depends on a load:
     no loop, and the elements loaded before the kernel's first reduction (its prologue's norm, or the product itself)
-    cover the program's whole weight block. A chunk loop, or weights loaded after the prologue's norms, puts one
-    memory round trip after another into the kernel (session 20's trace: the o projection 4.9 µs, XLA's 1.8)."""
+    cover the program's whole weight block; at batch 1 every other load (the rows it normalises or adds, the norm
+    weights, the token's embedding chunks) comes before that reduction too. A chunk loop, or a load issued after a
+    reduction has made the program wait, puts one memory round trip after another into the kernel (session 20's
+    trace: the o projection 4.9 µs, XLA's 1.8)."""
     cfg, acfg = bench_pair("E4B")
     spec, target, assistant, kv, pages = abstract_state(cfg, acfg, 1)
     vec = jax.ShapeDtypeStruct((1,), jnp.int32)
@@ -151,8 +168,9 @@ def test_fused_draft_kernels_load_their_weights_at_once(triton_modules):
         texts = triton_modules[name]
         for text in texts:
             assert "scf.for" not in text and "scf.while" not in text, f"{name}: a loop in the kernel"
-        loaded = sorted({elements_loaded_before_first_reduction(text) for text in texts})  # one per layer type
-        assert len(loaded) == len(weights) and all(n >= w for n, w in zip(loaded, weights)), (name, loaded, weights)
+            assert not loads_after_first_reduction(text), (name, loads_after_first_reduction(text))
+        loaded = [elements_loaded_before_first_reduction(text) for text in texts]  # the o kernels: both layer types
+        assert min(loaded) >= min(weights) and max(loaded) >= max(weights), (name, loaded, weights)
 
 
 def test_decode_round_lowers_to_triton():

@@ -117,6 +117,23 @@ def _load_chunks(w, *, K: int, block_k: int):
     return [w(k0) for k0 in range(0, K, block_k)]
 
 
+class _Rows:
+    """The small operands a kernel reads whole (the rows it normalises or adds, norm weights), loaded at its start
+    right after its weights, so that their loads are in flight with the weights' and the prologue pays one memory
+    round trip, not one per operand it reaches after a reduction has stalled it. `cols` serves a chunk that is the
+    whole row from here; narrower chunks (batches of 16 rows and more) are read again from the ref (cache hits by
+    then)."""
+
+    def __init__(self, *refs):
+        self._full = {id(r): _cols(r, 0, r.shape[-1]) for r in refs}
+
+    def cols(self, ref, k0, size):
+        full = self._full.get(id(ref))
+        if full is not None and k0 == 0 and size == ref.shape[-1]:
+            return full
+        return _cols(ref, k0, size)
+
+
 def _products(x_cols, weights, *, block_k: int):
     """Σ over column chunks of x [rows, chunk] (fp32, already rounded as the reference's operand) times each weight's
     chunk [N, chunk], chunk by chunk in column order (a static unroll, no loop): one fp32 [rows, N] accumulator per
@@ -133,27 +150,32 @@ def _products(x_cols, weights, *, block_k: int):
 class _Stream:
     """The residual stream entering a layer or the final norm, by column chunks: x itself, or the previous layer's
     output (x1 + norm(d)·n3) · layer_scalar, rounded as `decoder_layer` rounds it. Products read their weights in
-    column chunks, so the rows are rebuilt chunk by chunk from their refs, each norm's row scale taken once from the
-    whole row."""
+    column chunks, so the rows are rebuilt chunk by chunk (`rows`: the kernel's `_Rows`, holding x, d, n3 and the
+    norm weight whole), each norm's row scale taken once from the whole row."""
 
-    def __init__(self, x_ref, d_ref=None, n3_ref=None, scale=None, *, eps, dtype):
-        self.x_ref, self.d_ref, self.n3_ref, self.dtype = x_ref, d_ref, n3_ref, dtype
+    def __init__(self, rows, x_ref, d_ref=None, n3_ref=None, scale=None, *, eps, dtype):
+        self.rows, self.x_ref, self.d_ref, self.n3_ref, self.dtype = rows, x_ref, d_ref, n3_ref, dtype
+        self.H = x_ref.shape[1]
         if d_ref is not None:
-            self.r_d = _inv_rms(d_ref[...].astype(jnp.float32), eps)
+            self.r_d = _inv_rms(rows.cols(d_ref, 0, self.H), eps)
             self.scale = _round(scale, dtype)
-        self.full = self.cols(0, x_ref.shape[1])  # [M, H] fp32
+        self.full = self._cols(0, self.H)  # [M, H] fp32
 
-    def cols(self, k0, size):
-        x = _cols(self.x_ref, k0, size)
+    def _cols(self, k0, size):
+        x = self.rows.cols(self.x_ref, k0, size)
         if self.d_ref is None:
             return x
-        y = _round(_cols(self.d_ref, k0, size) * self.r_d * _cols(self.n3_ref, k0, size), self.dtype)
+        y = _round(self.rows.cols(self.d_ref, k0, size) * self.r_d * self.rows.cols(self.n3_ref, k0, size),
+                   self.dtype)
         return _round(_round(x + y, self.dtype) * self.scale, self.dtype)
+
+    def cols(self, k0, size):
+        return self.full if k0 == 0 and size == self.H else self._cols(k0, size)
 
     def normed(self, norm_ref, eps):
         """cols(k0, size) of norm(stream)·n, rounded to the dtype (the product's operand)."""
         r = _inv_rms(self.full, eps)
-        return lambda k0, size: _round(self.cols(k0, size) * r * _cols(norm_ref, k0, size), self.dtype)
+        return lambda k0, size: _round(self.cols(k0, size) * r * self.rows.cols(norm_ref, k0, size), self.dtype)
 
 
 def _whole(shape):
@@ -166,6 +188,7 @@ def _whole(shape):
 def _pre_kernel(tok_ref, seed_ref, emb_ref, w_ref, o_ref, *, scale, block_k, backbone):
     w_e = _load_chunks(lambda k0: w_ref[:, pl.ds(k0, block_k)], K=backbone, block_k=block_k)
     w_s = _load_chunks(lambda k0: w_ref[:, pl.ds(backbone + k0, block_k)], K=backbone, block_k=block_k)
+    seed = _load_chunks(lambda k0: _cols(seed_ref, k0, block_k), K=backbone, block_k=block_k)
     tok = jnp.clip(tok_ref[...], 0, emb_ref.shape[0] - 1)  # [M]; an id past the table must not read past it
     dtype = o_ref.dtype
 
@@ -173,8 +196,9 @@ def _pre_kernel(tok_ref, seed_ref, emb_ref, w_ref, o_ref, *, scale, block_k, bac
         e = emb_ref[tok, pl.ds(k0, block_k)].astype(jnp.float32) * scale
         return _round(_round(e, emb_ref.dtype), dtype)
 
-    (acc_e,) = _products(emb_cols, (w_e,), block_k=block_k)
-    (acc_s,) = _products(lambda k0: _round(_cols(seed_ref, k0, block_k), dtype), (w_s,), block_k=block_k)
+    emb = _load_chunks(emb_cols, K=backbone, block_k=block_k)  # every chunk's load issued before the first product
+    (acc_e,) = _products(lambda k0: emb[k0 // block_k], (w_e,), block_k=block_k)
+    (acc_s,) = _products(lambda k0: _round(seed[k0 // block_k], dtype), (w_s,), block_k=block_k)
     o_ref[...] = (acc_e + acc_s).astype(dtype)
 
 
@@ -219,10 +243,10 @@ def _q_kernel(*refs, eps, chained, dtype, block_k):
     w = _load_chunks(lambda k0: w_ref[:, pl.ds(k0, block_k)], K=w_ref.shape[1], block_k=block_k)
     if chained:
         x1_ref, d_ref, n3_ref, ls_ref, n0_ref, w_ref, q_ref, qs_ref, x_ref = refs
-        stream = _Stream(x1_ref, d_ref, n3_ref, ls_ref[0], eps=eps, dtype=dtype)
+        stream = _Stream(_Rows(x1_ref, d_ref, n3_ref, n0_ref), x1_ref, d_ref, n3_ref, ls_ref[0], eps=eps, dtype=dtype)
     else:
         x_ref, n0_ref, w_ref, q_ref, qs_ref = refs
-        stream = _Stream(x_ref, eps=eps, dtype=dtype)
+        stream = _Stream(_Rows(x_ref, n0_ref), x_ref, eps=eps, dtype=dtype)
     normed = stream.normed(n0_ref, eps)
     (q,) = _products(lambda k0: normed(k0, block_k), (w,), block_k=block_k)
     q = q.astype(q_ref.dtype)
@@ -326,8 +350,10 @@ def _o_kernel(a_ref, w_ref, o_ref, *, num_kv_heads, group, head_dim, block_k):
     heads = [(kvh, g) for kvh in range(num_kv_heads) for g in range(group)]
     w = [_load_chunks(lambda k0, h=h: w_ref[:, pl.ds(h * head_dim + k0, block_k)], K=head_dim, block_k=block_k)
          for h in range(len(heads))]
-    accs = [_products(lambda k0, kvh=kvh, g=g: _round(a_ref[:, kvh, g, pl.ds(k0, block_k)].astype(jnp.float32), dtype),
-                      (w[h],), block_k=block_k)[0] for h, (kvh, g) in enumerate(heads)]
+    a = [_load_chunks(lambda k0, kvh=kvh, g=g: a_ref[:, kvh, g, pl.ds(k0, block_k)], K=head_dim, block_k=block_k)
+         for kvh, g in heads]  # every head's attention row, in flight with the weights
+    accs = [_products(lambda k0, h=h: _round(a[h][k0 // block_k].astype(jnp.float32), dtype), (w[h],),
+                      block_k=block_k)[0] for h in range(len(heads))]
     o_ref[...] = sum(accs).astype(dtype)
 
 
@@ -364,17 +390,18 @@ def _up_kernel(x_ref, o_ref, n1_ref, n2_ref, wg_ref, wu_ref, m_ref, x1_ref, *, e
     H = x_ref.shape[1]
     wg = _load_chunks(lambda k0: wg_ref[:, pl.ds(k0, block_k)], K=H, block_k=block_k)
     wu = _load_chunks(lambda k0: wu_ref[:, pl.ds(k0, block_k)], K=H, block_k=block_k)
+    rows = _Rows(x_ref, o_ref, n1_ref, n2_ref)
     dtype = m_ref.dtype
-    r_o = _inv_rms(o_ref[...].astype(jnp.float32), eps)
+    r_o = _inv_rms(rows.cols(o_ref, 0, H), eps)
 
     def x1_cols(k0, size):  # x + norm(o)·n1, rounded as decoder_layer rounds it
-        y = _round(_cols(o_ref, k0, size) * r_o * _cols(n1_ref, k0, size), dtype)
-        return _round(_cols(x_ref, k0, size) + y, dtype)
+        y = _round(rows.cols(o_ref, k0, size) * r_o * rows.cols(n1_ref, k0, size), dtype)
+        return _round(rows.cols(x_ref, k0, size) + y, dtype)
 
     x1 = x1_cols(0, H)
     r2 = _inv_rms(x1, eps)
-    g, u = _products(lambda k0: _round(x1_cols(k0, block_k) * r2 * _cols(n2_ref, k0, block_k), dtype), (wg, wu),
-                     block_k=block_k)
+    g, u = _products(lambda k0: _round((x1 if block_k == H else x1_cols(k0, block_k)) * r2
+                                       * rows.cols(n2_ref, k0, block_k), dtype), (wg, wu), block_k=block_k)
     m_ref[...] = (gelu_tanh(_round(g, dtype)) * _round(u, dtype)).astype(dtype)
 
     @pl.when(pl.program_id(1) == 0)
@@ -415,7 +442,8 @@ def mlp_up_ref(x, o, norms, gate_up, layer, *, eps, interpret=None):
 def _down_kernel(m_ref, w_ref, d_ref, *, block_k):
     w = _load_chunks(lambda k0: w_ref[:, pl.ds(k0, block_k)], K=m_ref.shape[1], block_k=block_k)
     dtype = d_ref.dtype
-    (acc,) = _products(lambda k0: _round(_cols(m_ref, k0, block_k), dtype), (w,), block_k=block_k)
+    m = _load_chunks(lambda k0: _cols(m_ref, k0, block_k), K=m_ref.shape[1], block_k=block_k)
+    (acc,) = _products(lambda k0: _round(m[k0 // block_k], dtype), (w,), block_k=block_k)
     d_ref[...] = acc.astype(dtype)
 
 
@@ -446,7 +474,7 @@ def mlp_down_ref(m, down, layer, *, interpret=None):
 def _final_kernel(x1_ref, d_ref, n3_ref, ls_ref, nf_ref, w_ref, h_ref, hn_ref, *, eps, block_k):
     w = _load_chunks(lambda k0: w_ref[:, pl.ds(k0, block_k)], K=x1_ref.shape[1], block_k=block_k)
     dtype = h_ref.dtype
-    stream = _Stream(x1_ref, d_ref, n3_ref, ls_ref[0], eps=eps, dtype=dtype)
+    stream = _Stream(_Rows(x1_ref, d_ref, n3_ref, nf_ref), x1_ref, d_ref, n3_ref, ls_ref[0], eps=eps, dtype=dtype)
     normed = stream.normed(nf_ref, eps)
     (h,) = _products(lambda k0: normed(k0, block_k), (w,), block_k=block_k)
     h_ref[...] = h.astype(dtype)

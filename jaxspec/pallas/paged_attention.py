@@ -36,17 +36,26 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _norm_rope(q, q_swap, q_norm_ref, cos, sin, eps):
+def _rope_operands(qs_ref, qn_ref, cos_ref, sin_ref):
+    """The loads `_norm_rope` needs (q_swap, the q-norm weight and its rotate-half permutation, cos, sin), issued at
+    the kernel's start with q's, before anything waits on the live span: a load issued after such a wait costs the
+    program one more memory round trip."""
+    D = qn_ref.shape[0]
+    perm = (lax.iota(jnp.int32, D) + D // 2) % D
+    return qs_ref[...], qn_ref[...], qn_ref[perm], cos_ref[...], sin_ref[...]
+
+
+def _norm_rope(q, q_swap, q_norm, q_norm_swap, cos, sin, eps):
     """The query prologue of the drafter's fused step: per-row RMSNorm times the q-norm weight, then RoPE, rounded
     where `decoder_layer` rounds. q, q_swap: [rows, D] in the compute dtype, q_swap[:, j] = q[:, (j + D/2) % D] (the
-    rotate-half partner, stored so by the q projection); cos, sin: fp32 [D] of the row's position."""
+    rotate-half partner, stored so by the q projection); q_norm [D] and q_norm_swap (its entries in q_swap's order);
+    cos, sin: fp32 [D] of the row's position."""
     dtype = q.dtype
     D = q.shape[1]
     qf, qs = q.astype(jnp.float32), q_swap.astype(jnp.float32)
     r = lax.rsqrt(jnp.mean(qf * qf, axis=1, keepdims=True) + eps)
-    perm = (lax.iota(jnp.int32, D) + D // 2) % D
-    qn = (qf * r * q_norm_ref[...][None, :]).astype(dtype).astype(jnp.float32)
-    qsn = (qs * r * q_norm_ref[perm][None, :]).astype(dtype).astype(jnp.float32)
+    qn = (qf * r * q_norm[None, :]).astype(dtype).astype(jnp.float32)
+    qsn = (qs * r * q_norm_swap[None, :]).astype(dtype).astype(jnp.float32)
     sign = jnp.where(lax.iota(jnp.int32, D) < D // 2, -1.0, 1.0).astype(jnp.float32)
     return (qn * cos[None, :] + sign[None, :] * qsn * sin[None, :]).astype(dtype)
 
@@ -110,6 +119,9 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
         block_q, head_dim = row_lo_ref.shape[0], q_ref.shape[-1]
         r, own = _own_rows(gather_q, h, block_q)
         q = q_ref[b, r, :]  # [block_q, D]
+    rope = None if rope_eps is None else _rope_operands(qs_ref, qn_ref, cos_ref, sin_ref)
+    row_lo = row_lo_ref[...][:, None]  # [block_q, 1] (loaded before anything waits on the span)
+    row_hi = row_hi_ref[...][:, None]
 
     first = span_ref[b, 0]
     last = span_ref[b, 1]
@@ -120,9 +132,7 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     num_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
 
     if rope_eps is not None:
-        q = _norm_rope(q, qs_ref[...], qn_ref, cos_ref[...], sin_ref[...], rope_eps)
-    row_lo = row_lo_ref[...][:, None]  # [block_q, 1]
-    row_hi = row_hi_ref[...][:, None]
+        q = _norm_rope(q, *rope, rope_eps)
 
     def keys(j):  # block j's entries and masks (no loads): (i, valid, key_live)
         i = lo + j * block_k + lax.iota(jnp.int32, block_k)  # [block_k] entries of kv_indices

@@ -17,13 +17,14 @@ bench/results/h200-trace-propose-bs1.json). Here each product carries what surro
 Every program reads the whole (small) rows it normalises and a few rows of the weight (2 to 16), so a product spreads
 over 128 to 256 programs that each stream a few KB, the way XLA's small reduce fusions do; the rows are multiplied by
 broadcast and sum (not `tt.dot`, whose 16-row tiles would be 1/16 used at batch 1). A program loads its whole weight
-block first, every chunk at once (a static unroll, no loop), before its prologue's loads and norms: one memory round
-trip, not one per chunk and phase (tests/test_triton_lowering.py checks the order in the Triton IR). A norm needs the full row, so a
-split product cannot normalise its own output: the next kernel does, in its prologue. Values are rounded to the
-compute dtype exactly where the reference rounds (each product's output, each norm's, each residual sum), so bf16
-results differ from the reference only by summation order. Weight stacks are read at a static layer index through
-the BlockSpecs (no slice copies). Rows: the batch padded to `padded_rows` (a power of two below 16, a multiple of 16
-above); `supported` says which drafter geometries these kernels take (others use the reference step).
+block first, every chunk at once (a static unroll, no loop), then every small operand of its prologue (`_Rows`), and
+only then reduces: one memory round trip, not one per chunk and phase (tests/test_triton_lowering.py checks the order
+in the Triton IR). A norm needs the full row, so a split product cannot normalise its own output: the next kernel
+does, in its prologue. Values are rounded to the compute dtype exactly where the reference rounds (each product's
+output, each norm's, each residual sum), so bf16 results differ from the reference only by summation order. Weight
+stacks are read at a static layer index through the BlockSpecs (no slice copies). Rows: the batch padded to
+`padded_rows` (a power of two below 16, a multiple of 16 above); `supported` says which drafter geometries these
+kernels take (others use the reference step).
 """
 
 from __future__ import annotations

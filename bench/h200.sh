@@ -638,8 +638,8 @@ s21-pin)  # issue #14 (next): JAXSPEC_PIN_OUTPUT 0 against 1 (the decode call's 
   # no temporary shares its buffer). First XLA's count of re-recorded graph nodes a call (E2B, bs 1, R 1, overlap:
   # session 20 saw 154 of 819 a plain call, 114 of 892 a k-3 round), then E4B end to end at bs 1 (R 1 and 4) with each
   # value, then, where s7-convert left it, the default pair (switch_ab_270m at R 1). PIN_STEPS: any of "vlog e4b 270m"
-  vm=command_buffer_thunk=3,command_executor=2
-  [[ " ${PIN_STEPS:-vlog e4b 270m} " == *" vlog "* ]] && for v in 0 1; do
+  vm=command_buffer_thunk=3,command_executor=2; steps=" ${PIN_STEPS:-vlog e4b 270m} "
+  [[ $steps == *" vlog "* ]] && for v in 0 1; do
     JAXSPEC_PIN_OUTPUT=$v TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=$vm timeout ${PIN_TIMEOUT:-250} python3 -m jaxspec.bench \
       e2e --preset E2B --bs 1 --prompt-len 256 --new-tokens 64 --modes off,bucketed -k 3 --rounds-per-call 1 \
       --overlap on --json "$OUT/e2e-e2b-pin$v-vlog-experiment.json" > /tmp/pin$v.log 2>&1
@@ -647,11 +647,11 @@ s21-pin)  # issue #14 (next): JAXSPEC_PIN_OUTPUT 0 against 1 (the decode call's 
     grep -oE "Updated [0-9]+ commands in [0-9]+" /tmp/pin$v.log | awk '{n[$2]++; s[$2]+=$NF} END {for (k in n) \
       printf "  graph %s: %d updates, mean %.0f us\n", k, n[k], s[k]/n[k]}' | sort -t: -k2 -rn | head -4 \
       | tee "$OUT/pin$v-updates.txt"; done
-  [[ " ${PIN_STEPS:-vlog e4b 270m} " == *" e4b "* ]] && for v in ${PIN_VALUES:-0 1}; do JAXSPEC_PIN_OUTPUT=$v \
+  [[ $steps == *" e4b "* ]] && for v in ${PIN_VALUES:-0 1}; do JAXSPEC_PIN_OUTPUT=$v \
       timeout ${E2E_TIMEOUT:-300} python3 -m jaxspec.bench e2e --bs 1 --prompt-len 1024 \
       --modes off,bucketed -k 3 --rounds-per-call 1,4 --overlap on --json "$OUT/e2e-e4b-pin$v.json" \
       > "$OUT/e2e-e4b-pin$v.log" 2>&1; echo "== E4B JAXSPEC_PIN_OUTPUT=$v"; grep -h "^e2e bs" "$OUT/e2e-e4b-pin$v.log"; done
-  [[ " ${PIN_STEPS:-vlog e4b 270m} " == *" 270m "* ]] && [ -d /root/gemma-3-270m ] && RS=1 switch_ab_270m \
+  [[ $steps == *" 270m "* ]] && [ -d /root/gemma-3-270m ] && RS=1 switch_ab_270m \
     JAXSPEC_PIN_OUTPUT pin ${AB_TIMEOUT:-200}; true ;;
 s22-cluster)  # issue #14 (next): what one dependent phase costs inside a thread-block-cluster kernel (Mosaic GPU), the
   # road under the ~90-phase floor of a kernel per phase (BENCHMARKS.md session 21): bench/diag_cluster.py, chains of

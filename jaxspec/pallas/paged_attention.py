@@ -120,8 +120,6 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
         r, own = _own_rows(gather_q, h, block_q)
         q = q_ref[b, r, :]  # [block_q, D]
     rope = None if rope_eps is None else _rope_operands(qs_ref, qn_ref, cos_ref, sin_ref)
-    row_lo = row_lo_ref[...][:, None]  # [block_q, 1] (loaded before anything waits on the span)
-    row_hi = row_hi_ref[...][:, None]
 
     first = span_ref[b, 0]
     last = span_ref[b, 1]
@@ -133,6 +131,8 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
 
     if rope_eps is not None:
         q = _norm_rope(q, *rope, rope_eps)
+    row_lo = row_lo_ref[...][:, None]  # [block_q, 1]
+    row_hi = row_hi_ref[...][:, None]
 
     def keys(j):  # block j's entries and masks (no loads): (i, valid, key_live)
         i = lo + j * block_k + lax.iota(jnp.int32, block_k)  # [block_k] entries of kv_indices
@@ -280,9 +280,8 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, gather_q=None):
     or with gather_q (`_own_rows`) the whole output [Bq, Tq * NH, D] in q's layout, written at this program's rows
     and columns.
     """
-    o = o_ref[...]  # loaded first: in flight with m and l, not after the weights made of them
     w, denom = _merge_weights(m_ref[...], l_ref[...])  # [S, block_q], [block_q]
-    acc = jnp.sum(w[:, :, None] * o, axis=0)  # [block_q, block_d]
+    acc = jnp.sum(w[:, :, None] * o_ref[...], axis=0)  # [block_q, block_d]
     out = (acc / denom[:, None]).astype(out_ref.dtype)
     if gather_q is None:
         out_ref[...] = out

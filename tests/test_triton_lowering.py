@@ -117,31 +117,21 @@ def triton_modules(monkeypatch):
     return modules
 
 
-def loads_after_first_reduction(text: str) -> list[str]:
-    """The lines of a Triton kernel's loads that come after its first reduction, in program order, less the loads
-    Pallas makes of an output block right before storing it (`ref[...] = v` is a swap: a load, then a store to the
-    same pointer, the loaded value unused)."""
+def loads_around_first_reduction(text: str) -> tuple[int, list[str]]:
+    """A Triton kernel's loads split at its first reduction, in program order: the elements of the tensors loaded
+    before it, and the lines of the loads after it, less those Pallas makes of an output block right before storing
+    it (`ref[...] = v` is a swap: a load, then a store to the same pointer, the loaded value unused)."""
     lines = text.splitlines()
     stored = {m.group(1) for m in (re.search(r"tt\.store (%[\w#]+),", line) for line in lines) if m}
-    after, seen = [], False
+    before, after, seen = 0, [], False
     for line in lines:
         seen = seen or '"tt.reduce"' in line
-        load = re.search(r"= tt\.load (%[\w#]+)", line)
-        if seen and load and load.group(1) not in stored:
+        load = re.search(r"= tt\.load (%[\w#]+) .*: (?:tensor<([0-9x]+)x)?!tt\.ptr", line)
+        if load and not seen and load.group(2):
+            before += math.prod(int(n) for n in load.group(2).split("x"))
+        elif load and seen and load.group(1) not in stored:
             after.append(line.strip())
-    return after
-
-
-def elements_loaded_before_first_reduction(text: str) -> int:
-    """Elements of the tensors a Triton kernel loads before its first reduction, in program order."""
-    total = 0
-    for line in text.splitlines():
-        if '"tt.reduce"' in line:
-            return total
-        load = re.search(r"= tt\.load .*: tensor<([0-9x]+)x!tt\.ptr", line)
-        if load:
-            total += math.prod(int(n) for n in load.group(1).split("x"))
-    return total
+    return before, after
 
 
 def test_fused_draft_kernels_load_their_weights_at_once(triton_modules):
@@ -166,10 +156,12 @@ def test_fused_draft_kernels_load_their_weights_at_once(triton_modules):
     assert set(block) <= set(triton_modules), sorted(triton_modules)
     for name, weights in block.items():
         texts = triton_modules[name]
+        loaded = []  # elements before the first reduction, a kernel each (the o kernels: both layer types)
         for text in texts:
             assert "scf.for" not in text and "scf.while" not in text, f"{name}: a loop in the kernel"
-            assert not loads_after_first_reduction(text), (name, loads_after_first_reduction(text))
-        loaded = [elements_loaded_before_first_reduction(text) for text in texts]  # the o kernels: both layer types
+            before, after = loads_around_first_reduction(text)
+            assert not after, (name, after)
+            loaded.append(before)
         assert min(loaded) >= min(weights) and max(loaded) >= max(weights), (name, loaded, weights)
 
 

@@ -653,6 +653,20 @@ s21-pin)  # issue #14 (next): JAXSPEC_PIN_OUTPUT 0 against 1 (the decode call's 
       > "$OUT/e2e-e4b-pin$v.log" 2>&1; echo "== E4B JAXSPEC_PIN_OUTPUT=$v"; grep -h "^e2e bs" "$OUT/e2e-e4b-pin$v.log"; done
   [[ $steps == *" 270m "* ]] && [ -d /root/gemma-3-270m ] && RS=1 switch_ab_270m \
     JAXSPEC_PIN_OUTPUT pin ${AB_TIMEOUT:-200}; true ;;
+s22-default)  # issue #14: the fused drafter kernels by default for buckets up to FUSED_MAX_BUCKET (4). Their GPU lane (the
+  # drafter against eager at every batch size, the fused step, the engine with kernels against transformers' greedy),
+  # then the propose goal rows (E4B drafter, k 3, 4K, bs 1 and 64: bucketed, the default, against unfused) in two
+  # processes of opposite order, the first variant traced
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_drafter.py tests/test_rounds.py \
+    -k "every_batch_size or fused or changing_tables or kernels" > "$OUT/tests-default.txt" 2>&1
+  grep -E "passed|failed" "$OUT/tests-default.txt" | tail -2
+  for order in bucketed,unfused unfused,bucketed; do t=${order%%,*}; rm -rf /tmp/pd
+    XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${PROPOSE_TIMEOUT:-200} python3 -m jaxspec.bench \
+      propose --bs 1,64 --ctx 4096 --variants $order --profile-dir /tmp/pd --json "$OUT/propose-default-$t.json" \
+      > "$OUT/propose-default-$t.log" 2>&1
+    timeout 60 python3 -m jaxspec.bench trace /tmp/pd --rounds 20 --top 60 --json "$OUT/trace-propose-default-$t.json" \
+      >> "$OUT/propose-default-$t.log" 2>&1
+    echo "== $order"; grep "^propose ctx\|launches\|Error\|error:" "$OUT/propose-default-$t.log" | head -5; done ;;
 s22-cluster)  # issue #14 (next): what one dependent phase costs inside a thread-block-cluster kernel (Mosaic GPU), the
   # road under the ~90-phase floor of a kernel per phase (BENCHMARKS.md session 21): bench/diag_cluster.py, chains of
   # 1-6 dependent products in one cluster kernel (C 2-16 blocks, weights prefetched or streamed by the TMA) against

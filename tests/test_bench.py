@@ -40,10 +40,12 @@ def test_kernels(tmp_path):
 
 def test_propose(tmp_path):
     r = run(tmp_path, "propose", "--preset", "tiny", "--bs", "2", "--ctx", "40", "-k", "2", "--variants",
-            "bucketed,stable,fused,eager")
+            "bucketed,stable,fused,unfused_stable,eager")
     assert [(p["ctx"], p["bs"], p["k"]) for p in r["rows"]] == [(40, 2, 2)]
     p = r["rows"][0]
-    assert {"bucketed_us", "fused_us", "eager_us", "eager/bucketed", "fused/bucketed", "no_cmd/bucketed"} <= set(p)
+    assert {"bucketed_us", "fused_us", "eager_us", "eager/bucketed", "fused/bucketed", "no_cmd/bucketed",
+            "stable/unfused_stable"} <= set(p)
+    assert p["unfused_stable_us"] > 0 and p["unfused_us"] is None  # timed as listed, the rest not
     # the stable variant (inputs on the device, outputs into donated buffers) drafts what bucketed drafts
     assert p["stable_us"] > 0 and p["stable_same_drafts"] == 1.0
     assert p["no_cmd_buffer_us"] is None  # command buffers exist on GPUs only

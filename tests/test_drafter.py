@@ -183,8 +183,9 @@ def test_bucketed_equals_eager_every_batch_size(pair, k):
 
 @pytest.mark.parametrize("head", ["assistant", "assistant_plain"])
 def test_fused_step_equals_eager(head):
-    """The fused kernels' step (`propose_fused`, off by default) gives the eager path's draft ids at batch sizes
-    below, at and above a row block (16) and above the largest bucket, through both heads; h_next within H_ATOL."""
+    """The fused kernels' step (`propose_fused`; by default at buckets up to 2) gives the eager path's draft ids at
+    batch sizes below, at and above a row block (16) and above the largest bucket, through both heads; h_next within
+    H_ATOL."""
     cfg, params = load_target(golden_path("e2b", "target"), "fp32")
     acfg, aparams = load_assistant(golden_path("e2b", head), "fp32")
     k = 3

@@ -248,6 +248,38 @@ def kernels_greedy(oracle):
     return [r.output_ids for r in reqs], [o[:12] for o in outs]
 
 
+def test_small_buckets_draft_through_the_fused_kernels(oracle, monkeypatch):
+    """By default (fused_draft None) the buckets up to FUSED_MAX_BUCKET draft through the fused kernels and larger
+    ones through the jnp step. Buckets 2 and 4, four requests of which two stop early so that both buckets decode:
+    the fused step is traced for bucket 2 only, and the engine (kernels interpreted on the CPU, R 2 with overlap)
+    gives transformers' greedy continuations."""
+    import jaxspec.draft.bucketed as bucketed
+
+    assert bucketed.FUSED_MAX_BUCKET == 2  # the sizes below straddle it
+    traced = []
+
+    def spy(aparams, acfg, target_embed, pending_token, *args, **kw):
+        traced.append(pending_token.shape[0])
+        return propose_fused(aparams, acfg, target_embed, pending_token, *args, **kw)
+
+    propose_fused = bucketed.propose_fused
+    monkeypatch.setattr(bucketed, "propose_fused", spy)
+    cfg, params, acfg, aparams, prompts, outs = oracle
+    eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(2, 4), max_running=4, page_size=4,
+                 max_context=64, prefill_chunk=8, rounds_per_call=2, overlap=True, use_kernels=True)
+    decoded = []
+    decode = eng.runner.decode
+    monkeypatch.setattr(eng.runner, "decode",
+                        lambda chunk, bucket, *a: decoded.append(bucket) or decode(chunk, bucket, *a))
+    lengths = [12, 12, 5, 5]
+    reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=n))
+            for p, n in zip(prompts, lengths)]
+    eng.generate(reqs)
+    assert [r.output_ids for r in reqs] == [o[:n] for o, n in zip(outs, lengths)]
+    assert set(traced) == {2}, traced
+    assert set(decoded) == {2, 4}, decoded
+
+
 @pytest.mark.parametrize("switch", [None, "0", "merged"], ids=["default", "off", "merged"])
 def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch, switch):
     """JAXSPEC_ATTN_GATHER_Q (default on): the attention kernels read their query rows from q as it is and write

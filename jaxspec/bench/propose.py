@@ -22,8 +22,10 @@ from jaxspec.model.weights import random_assistant_params
 from jaxspec.paged_kv.cache import PagedKVCache
 
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
-VARIANTS = ("bucketed", "stable", "fused", "fused_stable", "no_cmd_buffer", "eager")
-STABLE = ("stable", "fused_stable")  # inputs on the device (the same buffers every call), outputs into donated buffers
+VARIANTS = ("bucketed", "stable", "fused", "fused_stable", "unfused", "unfused_stable", "no_cmd_buffer",
+            "eager")
+# inputs on the device (the same buffers every call), outputs into donated buffers
+STABLE = ("stable", "fused_stable", "unfused_stable")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -33,12 +35,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bs", type=sizes, default=[1, 4, 16, 64], help="batch sizes, each a compiled bucket")
     p.add_argument("--ctx", type=sizes, default=[4096, 32768], help="cached_len of every request")
     p.add_argument("--chunk", type=positive, default=256, help="prefill chunk: the pool's max_step_tokens")
-    p.add_argument("--variants", type=names_from(VARIANTS), default="bucketed,fused,eager",
-                   help="drafters to time: bucketed (the jnp step with the attention kernel, the default), stable "
-                   "(bucketed with its inputs on the device, the same buffers every call, and its outputs written "
-                   "into the buffers its last call returned: the addresses the engine's round programs see), fused "
-                   "(the fused kernels' step), fused_stable (fused, called as stable is), no_cmd_buffer (bucketed "
-                   "without command buffers), eager; the first one is traced with --profile-dir")
+    p.add_argument("--variants", type=names_from(VARIANTS), default="bucketed,unfused,fused,eager",
+                   help="drafters to time: bucketed (the default step: buckets up to FUSED_MAX_BUCKET through the "
+                   "fused kernels, larger ones through the jnp step with the attention kernel), stable (bucketed "
+                   "with its inputs on the device, the same buffers every call, and its outputs written into the "
+                   "buffers its last call returned: the addresses the engine's round programs see), fused (the "
+                   "fused kernels at every bucket), fused_stable (fused, called as stable is), unfused (the jnp "
+                   "step at every bucket), unfused_stable, no_cmd_buffer (bucketed without command buffers), "
+                   "eager; the first one is traced with --profile-dir")
     p.add_argument("--eager-iters", type=positive, help="timed calls of the eager drafter, ~0.3 s each on the H200 "
                    "(default: --iters, at most 50)")
 
@@ -66,6 +70,9 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
             "fused": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, fused=True, **kw),
             "fused_stable": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, fused=True,
                                                     donate_outputs=True, **kw),
+            "unfused": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, fused=False, **kw),
+            "unfused_stable": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, fused=False,
+                                                      donate_outputs=True, **kw),
             "no_cmd_buffer": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw,
                                                      compiler_options=NO_COMMAND_BUFFERS),
             "eager": lambda: EagerDrafter(aparams, acfg, target_embed, cfg, args.k)}
@@ -105,6 +112,7 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
         row["fused/bucketed"] = ratio(row["fused_us"], row["bucketed_us"])
         row["stable/bucketed"] = ratio(row["stable_us"], row["bucketed_us"])
         row["fused_stable/stable"] = ratio(row["fused_stable_us"], row["stable_us"])
+        row["stable/unfused_stable"] = ratio(row["stable_us"], row["unfused_stable_us"])
         row["no_cmd/bucketed"] = ratio(row["no_cmd_buffer_us"], row["bucketed_us"])
         rows.append(row)
         print(f"propose ctx {ctx} bs {bs}: " + ", ".join(f"{n} {row[n + '_us']:.1f} µs" for n in drafters))
@@ -132,6 +140,8 @@ def run(args) -> dict:
                     ("stable_us", "stable_us", "{:.1f}"), ("stable_dispatch_us", "stable_launch_us", "{:.1f}"),
                     ("stable/bucketed", "stable/bucketed", "{:.2f}"), ("fused_stable_us", "fused_stable_us", "{:.1f}"),
                     ("fused_stable/stable", "fused_stable/stable", "{:.2f}"),
+                    ("unfused_stable_us", "unfused_stable_us", "{:.1f}"),
+                    ("stable/unfused_stable", "stable/unfused_stable", "{:.2f}"),
                     ("fused_us", "fused_us", "{:.1f}"), ("fused/bucketed", "fused/bucketed", "{:.2f}"),
                     ("no_cmd_buffer_us", "no_cmdbuf_us", "{:.1f}"), ("eager_us", "eager_us", "{:.1f}"),
                     ("eager/bucketed", "eager/bucketed", "{:.2f}"), ("no_cmd/bucketed", "no_cmd/bucketed", "{:.2f}"),

@@ -26,6 +26,22 @@ from jaxspec.paged_kv.metadata import CacheSpec, PageTables, draft_metadata
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
+# The fused drafter kernels (`propose_fused`: a few weight-streaming kernels a step instead of XLA's ~70) win at the
+# smallest buckets and lose from bs 8 up. On the H200 (BENCHMARKS.md session 22; E4B's drafter, k 3, 4K, inputs on
+# the device; fused against the jnp step, pairs of runs in opposite order): bs 1 494 / 622 against 600 / 656 µs
+# (kernel time 328 µs in 110 launches against 391 µs in 209), bs 2 754 / 732 against 870 / 827 µs; bs 4 level
+# (976 / 1029 / 1001 against 1003 / 993 / 993 µs); bs 8 1319 / 1300 against 1008 / 1132 µs, bs 16 2313 against
+# 1370 µs and bs 64 5423 against 3092 µs (likely their products: broadcast and sum, no tensor-core tiles, so their
+# work grows with the rows). So by default (fused=None) the buckets up to this size draft through them, larger ones
+# through the jnp step.
+FUSED_MAX_BUCKET = 2
+
+
+def use_fused(fused: bool | None, bucket: int) -> bool:
+    """Whether a bucket drafts through the fused kernels: fused True (every bucket), False (none), None (the default:
+    buckets up to FUSED_MAX_BUCKET). Only with kernels, on one device, where the drafter's shapes allow."""
+    return bucket <= FUSED_MAX_BUCKET if fused is None else bool(fused)
+
 # XLA may keep bf16 intermediates in fp32 inside a fusion ("excess precision"); the eager reference runs op by op and
 # rounds every op's output to bf16. On the H200 that difference alone moved bf16 drafts beyond the seed's rule
 # (tests/test_drafter.py::test_bf16_drafts_follow_the_seed_rule); without it the two paths gave identical bf16 drafts.
@@ -34,18 +50,17 @@ DRAFT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 
 def draft(aparams, target_embed, kv, pages: PageTables, cached_len, pending_token, seed_hidden, *,
-          acfg: AssistantConfig, target: TargetConfig, spec: CacheSpec, k: int, use_kernels: bool, fused: bool = False,
-          mesh=None):
+          acfg: AssistantConfig, target: TargetConfig, spec: CacheSpec, k: int, use_kernels: bool,
+          fused: bool | None = None, mesh=None):
     """k draft steps for a batch. cached_len, pending_token: i32[B]; seed_hidden: [B, H_target]. With kernels, the
-    step is the jnp step with the attention kernel, or with `fused` (where the drafter's shapes allow) the fused
-    kernels' step (`propose_fused`; off by default: on the H200 it matches the default step's kernel time but
-    not its wall time, BENCHMARKS.md session 8).
+    step is the jnp step with the attention kernel or, as `use_fused(fused, B)` says (by default for buckets up to
+    FUSED_MAX_BUCKET) and where the drafter's shapes allow, the fused kernels' step (`propose_fused`).
 
     Returns (drafts i32[B, k], the last h_next [B, H_target]).
     """
     types = acfg.text.layer_types
     meta = draft_metadata(spec, pages, cached_len, acfg.text.sliding_window, types, use_kernels=use_kernels, mesh=mesh)
-    if use_kernels and fused and fused_supported(acfg) and mesh is None:
+    if use_kernels and use_fused(fused, pending_token.shape[0]) and fused_supported(acfg) and mesh is None:
         attend = draft_attend_rows(target, acfg.text, meta)
         return propose_fused(aparams, acfg, target_embed, pending_token, seed_hidden, cached_len,
                              lambda i, q, rope: attend(kv, i, q, rope), k=k)
@@ -77,7 +92,7 @@ class BucketedDrafter:
 
     def __init__(self, aparams, acfg: AssistantConfig, target_embed, cfg: TargetConfig, k: int, *,
                  buckets=DEFAULT_BUCKETS, seed_slots: int | None = None, use_kernels: bool = True,
-                 fused: bool = False, compiler_options: dict | None = None, donate_outputs: bool = False):
+                 fused: bool | None = None, compiler_options: dict | None = None, donate_outputs: bool = False):
         buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"draft buckets must be positive batch sizes, got {buckets}")

@@ -24,7 +24,9 @@ class EngineConfig:
     max_context: int | None = None  # positions a request may hold (None: the model's, at most 4096)
     prefill_chunk: int = 256
     use_kernels: bool | None = None  # Pallas kernels (None: on a GPU)
-    fused_draft: bool = False  # with kernels, the drafter step through its fused kernels (off: no measured win)
+    # with kernels on one device, the drafter step through its fused kernels: True every bucket, False none, None
+    # (default) the buckets up to jaxspec.draft.bucketed.FUSED_MAX_BUCKET (where they measured faster)
+    fused_draft: bool | None = None
     rounds_per_call: int = 1  # speculative rounds per decode call (one after another in the program)
     overlap: bool = True  # launch the next decode call before reading the last one's results
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's

@@ -94,7 +94,7 @@ class Programs:
     draft_mode: str
     use_kernels: bool
     eos: tuple[int, ...]
-    fused_draft: bool = False  # the drafter step through its fused kernels (with kernels, where shapes allow)
+    fused_draft: bool | None = None  # the drafter step through its fused kernels (`bucketed.use_fused`)
     unroll_rounds: bool = True  # R > 1: the rounds one after another in the program, not a `while` loop (below)
     mesh: object = None  # the tensor-parallel mesh (`jaxspec.parallel`): the kernels run per device
     # > 0: batch-invariant decode (`EngineConfig.batch_invariant`): every decode / verify step computes this many

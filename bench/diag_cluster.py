@@ -21,6 +21,7 @@ order aside: the max |difference| is printed).
 import argparse
 import json
 import statistics
+import sys
 import time
 
 SMEM_BYTES = 192 * 1024
@@ -124,6 +125,24 @@ def median_us(fn, args, calls: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def repeated(fn, R: int):
+    """R calls of fn(x, w) -> y chained (y feeds the next call's x) in one compiled program: its time minus one
+    call's, over R - 1, is a call's device time without the per-call floor (dispatch and sync, ~60 µs here)."""
+    import jax
+
+    def f(x, w):
+        for _ in range(R):
+            x = fn(x, w)
+        return x
+
+    return jax.jit(f)
+
+
+def device_us(fn, args, calls: int, R: int) -> float:
+    """A call's device time: (median of R chained calls - median of one) / (R - 1)."""
+    return (median_us(repeated(fn, R), args, calls) - median_us(repeated(fn, 1), args, calls)) / (R - 1)
+
+
 def slope(points):
     """Least-squares µs per layer over (L, µs) points (None with fewer than two)."""
     if len(points) < 2:
@@ -176,6 +195,7 @@ def main(argv=None):
                    help="C:N pairs (N = 64 C: each block owns one 64-row tile)")
     p.add_argument("--layers", default="1,2,4,6")
     p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=32, help="R: chained calls a program for the device time")
     p.add_argument("--check", action="store_true", help="the CPU: the interpreter against the jnp chain, no timing")
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -188,6 +208,8 @@ def main(argv=None):
         p.error(f"--configs wants C:N pairs with C >= 1 and N = {ROWS} x C, got {args.configs}")
     if layers[0] < 1:
         p.error(f"--layers must be >= 1, got {args.layers}")
+    if args.repeats < 2 or args.calls < 1:
+        p.error(f"--repeats must be >= 2 and --calls >= 1, got {args.repeats} and {args.calls}")
     if args.check:
         raise SystemExit(1 if check(configs, sorted({min(layers), 2})) else 0)
 
@@ -197,29 +219,35 @@ def main(argv=None):
     rows = []
     for C, N in configs:
         for form in ("prefetch", "stream", "xla"):
-            points = []
+            points, dev_points = [], []
             for L in layers:
                 if form != "xla" and not fits(C, L, form == "prefetch"):
                     continue
                 x, w = inputs(N, L)
-                fn = jax.jit(xla_chain if form == "xla" else cluster_chain(C, L, form == "prefetch"))
+                chain = xla_chain if form == "xla" else cluster_chain(C, L, form == "prefetch")
+                fn = jax.jit(chain)
                 try:
                     us = median_us(fn, (x, w), args.calls)
+                    dev = device_us(chain, (x, w), max(args.calls // 3, 1), args.repeats)
                     diff = float(np.max(np.abs(np.asarray(fn(x, w), np.float32)
                                                - np.asarray(jax.jit(xla_chain)(x, w), np.float32))))
                 except Exception as e:  # noqa: BLE001 - report and go on with the next config
                     print(f"C {C} N {N} L {L} {form}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                     continue
                 points.append((L, us))
-                rows.append({"C": C, "N": N, "L": L, "form": form, "us": us, "max_diff_vs_xla": diff})
-                print(f"C {C:2d} N {N:5d} L {L:2d} {form:8s}: {us:8.1f} us a call (max |diff| vs XLA {diff:.3g})")
-            s = slope(points)
+                dev_points.append((L, dev))
+                rows.append({"C": C, "N": N, "L": L, "form": form, "us": us, "device_us": dev,
+                             "max_diff_vs_xla": diff})
+                print(f"C {C:2d} N {N:5d} L {L:2d} {form:8s}: {us:8.1f} us a call, {dev:7.2f} us of device time "
+                      f"(max |diff| vs XLA {diff:.3g})")
+            s, ds = slope(points), slope(dev_points)
             if s is not None:
-                print(f"C {C:2d} N {N:5d} {form:8s}: {s:6.2f} us per more layer")
-                rows.append({"C": C, "N": N, "form": form, "us_per_layer": s})
+                print(f"C {C:2d} N {N:5d} {form:8s}: {s:6.2f} us per more layer (wall), {ds:6.2f} (device)")
+                rows.append({"C": C, "N": N, "form": form, "us_per_layer": s, "device_us_per_layer": ds})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "python3 bench/diag_cluster.py", "device": str(jax.devices()[0].device_kind),
+            command = " ".join(["python3 bench/diag_cluster.py", *(sys.argv[1:] if argv is None else argv)])
+            json.dump({"command": command, "device": str(jax.devices()[0].device_kind),
                        "rows": rows}, f, indent=1)
 
 

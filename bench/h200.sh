@@ -667,6 +667,12 @@ s22-default)  # issue #14: the fused drafter kernels by default for buckets up t
     timeout 60 python3 -m jaxspec.bench trace /tmp/pd --rounds 20 --top 60 --json "$OUT/trace-propose-default-$t.json" \
       >> "$OUT/propose-default-$t.log" 2>&1
     echo "== $order"; grep "^propose ctx\|launches\|Error\|error:" "$OUT/propose-default-$t.log" | head -5; done ;;
+s22-cluster-device)  # issue #14: s22-cluster with each call's device time (R = 32 chained calls in one program minus
+  # one call, over 31: the ~60-µs per-call floor cancelled) and longer chains (L up to 16), so that a phase's cost
+  # inside a cluster kernel is resolved below a µs
+  timeout ${CLUSTER_TIMEOUT:-300} python3 bench/diag_cluster.py --layers 1,2,4,8,16 --calls 100 --repeats 32 \
+    --json "$OUT/diag-cluster-device.json" > "$OUT/diag-cluster-device.log" 2>&1
+  grep "per more layer\|Error" "$OUT/diag-cluster-device.log" | tail -30 ;;
 s22-cluster)  # issue #14 (next): what one dependent phase costs inside a thread-block-cluster kernel (Mosaic GPU), the
   # road under the ~90-phase floor of a kernel per phase (BENCHMARKS.md session 21): bench/diag_cluster.py, chains of
   # 1-6 dependent products in one cluster kernel (C 2-16 blocks, weights prefetched or streamed by the TMA) against

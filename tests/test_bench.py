@@ -375,7 +375,22 @@ def test_diag_cluster_kernel_equals_the_chain_and_its_race_shows(capsys):
     assert out.count(" ok") == 8 and "MISMATCH" in out
 
 
-@pytest.mark.parametrize("argv", [["--configs", "4:100"], ["--layers", "0"], ["--configs", "x"]])
+def test_diag_cluster_repeated_chains_its_calls():
+    """The device-time form: R calls in one program, each call's output the next one's input (so none is elided),
+    equal to the calls made one by one."""
+    import numpy as np
+
+    diag = _diag_cluster()
+    x, w = diag.inputs(128, 2)
+    want = x
+    for _ in range(3):
+        want = diag.xla_chain(want, w)
+    np.testing.assert_array_equal(np.asarray(diag.repeated(diag.xla_chain, 3)(x, w)), np.asarray(want))
+    assert not np.array_equal(np.asarray(want), np.asarray(diag.xla_chain(x, w)))
+
+
+@pytest.mark.parametrize("argv", [["--configs", "4:100"], ["--layers", "0"], ["--configs", "x"],
+                                  ["--repeats", "1"]])
 def test_diag_cluster_bad_lists_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         _diag_cluster().main(argv)

@@ -12,8 +12,9 @@ once (the `prefetch` form: L tiles must fit, ≤ 192 KB), or each right before i
 it stores its slice of y_{l+1} (a TMA store, waited for), meets the others at a cluster barrier, and loads the whole
 y_{l+1} back. Against it, XLA's own chain of the same L products (one kernel each).
 
-Printed per config and form: µs per call for each L, and the cost of one more phase (the slope over L, least
-squares: the call's own floor drops out). Equivalence: `--check` runs every config through the GPU interpreter
+Printed per config and form: µs per call for each L (wall, and device time: R chained calls in one program minus
+one, over R - 1, so the ~60-µs per-call floor cancels), and the cost of one more phase (the slope over L, least
+squares). Session 22 measured 0.8-1.9 µs a phase at 2-4 blocks (BENCHMARKS.md), no less than a kernel boundary. Equivalence: `--check` runs every config through the GPU interpreter
 (`plgpu.InterpretGPUParams`: blocks, shared memory and barriers simulated on the CPU) against the jnp chain; on the
 GPU each timed config is also checked against XLA's chain, bit for bit (same products, same roundings, the sums'
 order aside: the max |difference| is printed).
@@ -244,11 +245,11 @@ def main(argv=None):
             if s is not None:
                 print(f"C {C:2d} N {N:5d} {form:8s}: {s:6.2f} us per more layer (wall), {ds:6.2f} (device)")
                 rows.append({"C": C, "N": N, "form": form, "us_per_layer": s, "device_us_per_layer": ds})
-    if args.json:
-        with open(args.json, "w") as f:
-            command = " ".join(["python3 bench/diag_cluster.py", *(sys.argv[1:] if argv is None else argv)])
-            json.dump({"command": command, "device": str(jax.devices()[0].device_kind),
-                       "rows": rows}, f, indent=1)
+            if args.json:  # after each form, so that a run stopped by its time limit keeps what it measured
+                with open(args.json, "w") as f:
+                    command = " ".join(["python3 bench/diag_cluster.py", *(sys.argv[1:] if argv is None else argv)])
+                    json.dump({"command": command, "device": str(jax.devices()[0].device_kind),
+                               "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

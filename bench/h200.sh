@@ -56,9 +56,9 @@
 # rows need the GGUF staged and s7-convert first, E4B's do not).
 # session 21 (issue #14): s21-propose-hlo then `PIN_STEPS=vlog PIN_TIMEOUT=200 ... s21-pin`; `PIN_STEPS=e4b
 # E2E_TIMEOUT=285 ... s21-pin`; s21-pin-ab, then on the same warm machine `PIN_VALUES="1 0"` (files renamed *-rev).
-# Next (issue #14): s22-fused (the fused drafter kernels with their weights loaded at once; FUSED_E2E=1 on a warm
-# machine), s22-cluster (a dependent phase's cost in a cluster kernel), s20-concurrent with E2E_TIMEOUT=300 after
-# warm compiles.
+# Next (issue #14): after session 22 (the fused drafter kernels by default at bs 1-2; a phase inside a cluster kernel
+# measured at 0.8-1.9 µs, no cheaper than a kernel boundary), fewer phases and bytes a propose; s20-concurrent with
+# E2E_TIMEOUT=300 after warm compiles.
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u

@@ -114,6 +114,20 @@ def test_e2e(tmp_path):
         assert {"launch_ms_per_round", "wait_ms_per_round", "host_ms_per_round", "calls"} <= set(e)
 
 
+def test_e2e_fused_modes_force_the_drafter_step(tmp_path):
+    """bucketed-fused / bucketed-unfused: the bucketed engine with EngineConfig.fused_draft True / False; bucketed
+    keeps the default (None: the fused kernels up to FUSED_MAX_BUCKET)."""
+    from jaxspec.bench import build_parser, e2e
+
+    args = build_parser().parse_args(["e2e", "--preset", "tiny", "--bs", "1", "--prompt-len", "8", "--new-tokens",
+                                      "2", "--chunk", "8", "--page-size", "4"])
+    _, pair, _ = e2e.e2e_pair(args)
+    got = {mode: e2e.make_engine(pair, 1, mode, 2, args).config for mode in ("bucketed", "bucketed-fused",
+                                                                             "bucketed-unfused")}
+    assert {m: (c.draft_mode, c.fused_draft) for m, c in got.items()} == {
+        "bucketed": ("bucketed", None), "bucketed-fused": ("bucketed", True), "bucketed-unfused": ("bucketed", False)}
+
+
 def test_e2e_max_context(tmp_path, capsys):
     """--max-context sizes the engine as a server's would be; one too small for the prompts is one line, exit 2."""
     argv = ["e2e", "--preset", "tiny", "--bs", "1", "--modes", "off", "--prompt-len", "12", "--new-tokens", "4",

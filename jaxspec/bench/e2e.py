@@ -38,13 +38,16 @@ def on_off(text: str) -> list[bool]:
         raise argparse.ArgumentTypeError(f"expected on, off or on,off, got {text!r}")
     return [w == "on" for w in words]
 
+FUSED_MODES = {"bucketed-fused": True, "bucketed-unfused": False}  # EngineConfig.fused_draft forced on / off
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=PRESET_NAMES, default="E4B")
     p.add_argument("--bs", type=sizes, default=[1, 4, 16], help="requests running together (one bucket each)")
     p.add_argument("--requests", type=positive, help="requests to run (default: bs), at most bs of them at once")
-    p.add_argument("--modes", type=names_from((*DRAFT_MODES, "bucketed-fused")), default="off,eager,bucketed",
-                   help="draft modes to compare (also bucketed-fused: bucketed with the drafter's fused kernels)")
+    p.add_argument("--modes", type=names_from((*DRAFT_MODES, *FUSED_MODES)), default="off,eager,bucketed",
+                   help="draft modes to compare (also bucketed-fused / bucketed-unfused: bucketed with the drafter's "
+                   "fused kernels at every bucket / at none; bucketed uses them up to FUSED_MAX_BUCKET)")
     p.add_argument("--rounds-per-call", type=sizes, help="rounds per compiled call, a row each (default: the "
                    "engine's own; passed to the Engine only when given)")
     p.add_argument("--overlap", type=on_off, help="launch round n+1 before reading round n: on, off or on,off, a "
@@ -98,8 +101,8 @@ def e2e_pair(args):
 def make_engine(pair: Pair, bs: int, mode: str, k: int, args, **options) -> Engine:
     """The engine of one row: one bucket of bs, at most bs requests running, k draft steps; `options`
     (rounds_per_call, overlap) when given on the command line, else the engine's defaults."""
-    if mode == "bucketed-fused":
-        mode, options = "bucketed", {**options, "fused_draft": True}
+    if mode in FUSED_MODES:
+        mode, options = "bucketed", {**options, "fused_draft": FUSED_MODES[mode]}
     return Engine(pair.cfg, pair.params, acfg=pair.acfg, aparams=pair.aparams, k=k, draft_mode=mode,
                   buckets=(bs,), max_running=bs, page_size=args.page_size,
                   # batch-invariant rows share one context (the attention tables' width) whatever their k

@@ -57,8 +57,9 @@
 # session 21 (issue #14): s21-propose-hlo then `PIN_STEPS=vlog PIN_TIMEOUT=200 ... s21-pin`; `PIN_STEPS=e4b
 # E2E_TIMEOUT=285 ... s21-pin`; s21-pin-ab, then on the same warm machine `PIN_VALUES="1 0"` (files renamed *-rev).
 # Next (issue #14): after session 22 (the fused drafter kernels by default at bs 1-2; a phase inside a cluster kernel
-# measured at 0.8-1.9 µs, no cheaper than a kernel boundary), fewer phases and bytes a propose; s20-concurrent with
-# E2E_TIMEOUT=300 after warm compiles.
+# measured at 0.8-1.9 µs, no cheaper than a kernel boundary), s23-fused-rows, fewer phases and bytes a propose;
+# s20-concurrent with E2E_TIMEOUT=300 after warm compiles.
+# session 22 (issue #14): s22-fused (FUSED_E2E=1 on a warm machine), s22-cluster, s22-default, s22-cluster-device.
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -653,6 +654,16 @@ s21-pin)  # issue #14 (next): JAXSPEC_PIN_OUTPUT 0 against 1 (the decode call's 
       > "$OUT/e2e-e4b-pin$v.log" 2>&1; echo "== E4B JAXSPEC_PIN_OUTPUT=$v"; grep -h "^e2e bs" "$OUT/e2e-e4b-pin$v.log"; done
   [[ $steps == *" 270m "* ]] && [ -d /root/gemma-3-270m ] && RS=1 switch_ab_270m \
     JAXSPEC_PIN_OUTPUT pin ${AB_TIMEOUT:-200}; true ;;
+s23-fused-rows)  # issue #14 (next): why the fused drafter kernels fall behind the jnp step from bs 8 up (session 22: bs 8
+  # 1300-1319 against 1008-1132 µs). Both steps at bs 2 and 8, inputs on the device, each traced in its own process
+  # (every kernel listed), so the kernels whose time grows with the rows are named
+  for v in fused_stable unfused_stable; do rm -rf /tmp/pr
+    XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${PROPOSE_TIMEOUT:-200} python3 -m jaxspec.bench \
+      propose --bs 8,2 --ctx 4096 --variants $v --profile-dir /tmp/pr --json "$OUT/propose-rows-$v-experiment.json" \
+      > "$OUT/propose-rows-$v.log" 2>&1
+    timeout 60 python3 -m jaxspec.bench trace /tmp/pr --rounds 20 --top 80 --json "$OUT/trace-propose-rows-$v-experiment.json" \
+      >> "$OUT/propose-rows-$v.log" 2>&1
+    echo "== $v"; grep "^propose ctx\|launches\|Error\|error:" "$OUT/propose-rows-$v.log" | head -5; done ;;
 s22-default)  # issue #14: the fused drafter kernels by default for buckets up to FUSED_MAX_BUCKET (4). Their GPU lane (the
   # drafter against eager at every batch size, the fused step, the engine with kernels against transformers' greedy),
   # then the propose goal rows (E4B drafter, k 3, 4K, bs 1 and 64: bucketed, the default, against unfused) in two

@@ -655,11 +655,11 @@ s21-pin)  # issue #14 (next): JAXSPEC_PIN_OUTPUT 0 against 1 (the decode call's 
   [[ $steps == *" 270m "* ]] && [ -d /root/gemma-3-270m ] && RS=1 switch_ab_270m \
     JAXSPEC_PIN_OUTPUT pin ${AB_TIMEOUT:-200}; true ;;
 s23-fused-rows)  # issue #14 (next): why the fused drafter kernels fall behind the jnp step from bs 8 up (session 22: bs 8
-  # 1300-1319 against 1008-1132 µs). Both steps at bs 2 and 8, inputs on the device, each traced in its own process
+  # 1300-1319 against 1008-1132 µs). Both steps at bs 8, inputs on the device, each traced in its own process
   # (every kernel listed), so the kernels whose time grows with the rows are named
   for v in fused_stable unfused_stable; do rm -rf /tmp/pr
     XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${PROPOSE_TIMEOUT:-200} python3 -m jaxspec.bench \
-      propose --bs 8,2 --ctx 4096 --variants $v --profile-dir /tmp/pr --json "$OUT/propose-rows-$v-experiment.json" \
+      propose --bs 8 --ctx 4096 --variants $v --profile-dir /tmp/pr --json "$OUT/propose-rows-$v-experiment.json" \
       > "$OUT/propose-rows-$v.log" 2>&1
     timeout 60 python3 -m jaxspec.bench trace /tmp/pr --rounds 20 --top 80 --json "$OUT/trace-propose-rows-$v-experiment.json" \
       >> "$OUT/propose-rows-$v.log" 2>&1

@@ -298,6 +298,9 @@ def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch, swit
         monkeypatch.setenv("JAXSPEC_ATTN_GATHER_Q", switch)
     seen = []
     real = pa.paged_attention_rows
+    # `paged_attention` is jitted: an earlier test of these shapes (same process) would leave its trace cached, and
+    # its inner calls would not be seen again
+    pa.paged_attention.clear_cache()
     # blocks of 16 keys, so that both pieces of a row (the interpreter's two) hold keys at these short contexts
     monkeypatch.setattr(pa, "paged_attention_rows", lambda *a, **kw: seen.append(
         (kw.get("gather_q"), kw.get("sem"), kw.get("prefetch"))) or real(*a, **{**kw, "block_k": 16}))

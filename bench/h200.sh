@@ -80,6 +80,16 @@ switch_ab_270m() {  # $1 an environment switch, $2 a file tag, $3 a timeout: the
     echo "== $1=$v"; grep "^e2e bs\|Error" "$OUT/e2e-270m-$2$v.log" | head -4; done
 }
 
+traced_propose() {  # $1 a file tag, $2 batch sizes, $3 variants (the first traced), $4 a timeout, $5 kernels listed:
+  # one propose run (E4B drafter, k 3, 4K) with its trace summarised (kernels and launches a propose)
+  rm -rf /tmp/ptr
+  XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout "$4" python3 -m jaxspec.bench propose --bs "$2" \
+    --ctx 4096 --variants "$3" --profile-dir /tmp/ptr --json "$OUT/propose-$1.json" > "$OUT/propose-$1.log" 2>&1
+  timeout 60 python3 -m jaxspec.bench trace /tmp/ptr --rounds 20 --top "$5" --json "$OUT/trace-propose-$1.json" \
+    >> "$OUT/propose-$1.log" 2>&1
+  echo "== $3"; grep "^propose ctx\|launches\|Error\|error:" "$OUT/propose-$1.log" | head -5
+}
+
 ab_verify() {  # $1 an environment switch, $2 a file tag, $3 a timeout: E4B's verify (bs 1, 4K) with the switch 0 and 1,
   # each traced (every kernel listed); the switch-0 run also dumps XLA's optimized HLO (xz back) to name the kernels
   local v f dump
@@ -657,27 +667,16 @@ s21-pin)  # issue #14 (next): JAXSPEC_PIN_OUTPUT 0 against 1 (the decode call's 
 s23-fused-rows)  # issue #14 (next): why the fused drafter kernels fall behind the jnp step from bs 8 up (session 22: bs 8
   # 1300-1319 against 1008-1132 µs). Both steps at bs 8, inputs on the device, each traced in its own process
   # (every kernel listed), so the kernels whose time grows with the rows are named
-  for v in fused_stable unfused_stable; do rm -rf /tmp/pr
-    XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${PROPOSE_TIMEOUT:-200} python3 -m jaxspec.bench \
-      propose --bs 8 --ctx 4096 --variants $v --profile-dir /tmp/pr --json "$OUT/propose-rows-$v-experiment.json" \
-      > "$OUT/propose-rows-$v.log" 2>&1
-    timeout 60 python3 -m jaxspec.bench trace /tmp/pr --rounds 20 --top 80 --json "$OUT/trace-propose-rows-$v-experiment.json" \
-      >> "$OUT/propose-rows-$v.log" 2>&1
-    echo "== $v"; grep "^propose ctx\|launches\|Error\|error:" "$OUT/propose-rows-$v.log" | head -5; done ;;
-s22-default)  # issue #14: the fused drafter kernels by default for buckets up to FUSED_MAX_BUCKET (4). Their GPU lane (the
+  for v in fused_stable unfused_stable; do traced_propose rows-$v-experiment 8 $v ${PROPOSE_TIMEOUT:-200} 80; done ;;
+s22-default)  # issue #14: the fused drafter kernels by default for buckets up to FUSED_MAX_BUCKET (2; 4 when run). GPU lane (the
   # drafter against eager at every batch size, the fused step, the engine with kernels against transformers' greedy),
   # then the propose goal rows (E4B drafter, k 3, 4K, bs 1 and 64: bucketed, the default, against unfused) in two
   # processes of opposite order, the first variant traced
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_drafter.py tests/test_rounds.py \
     -k "every_batch_size or fused or changing_tables or kernels" > "$OUT/tests-default.txt" 2>&1
   grep -E "passed|failed" "$OUT/tests-default.txt" | tail -2
-  for order in bucketed,unfused unfused,bucketed; do t=${order%%,*}; rm -rf /tmp/pd
-    XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${PROPOSE_TIMEOUT:-200} python3 -m jaxspec.bench \
-      propose --bs 1,64 --ctx 4096 --variants $order --profile-dir /tmp/pd --json "$OUT/propose-default-$t.json" \
-      > "$OUT/propose-default-$t.log" 2>&1
-    timeout 60 python3 -m jaxspec.bench trace /tmp/pd --rounds 20 --top 60 --json "$OUT/trace-propose-default-$t.json" \
-      >> "$OUT/propose-default-$t.log" 2>&1
-    echo "== $order"; grep "^propose ctx\|launches\|Error\|error:" "$OUT/propose-default-$t.log" | head -5; done ;;
+  for order in bucketed,unfused unfused,bucketed; do
+    traced_propose default-${order%%,*} 1,64 $order ${PROPOSE_TIMEOUT:-200} 60; done ;;
 s22-cluster-device)  # issue #14: s22-cluster with each call's device time (R = 32 chained calls in one program minus
   # one call, over 31: the ~60-µs per-call floor cancelled) and longer chains (L up to 16), so that a phase's cost
   # inside a cluster kernel is resolved below a µs
@@ -697,13 +696,8 @@ s22-fused)  # issue #14 (next): the fused drafter kernels with their weights loa
   # bucketed-fused, R 4)
   timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_draft_layer.py tests/test_drafter.py \
     -k "fused or kernel or comparison or prologue" > "$OUT/tests-fused.txt" 2>&1; grep -E "passed|failed" "$OUT/tests-fused.txt" | tail -2
-  for order in stable,fused_stable fused_stable,stable; do t=${order%%,*}; rm -rf /tmp/pf
-    XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${FUSED_TIMEOUT:-200} python3 -m jaxspec.bench \
-      propose --bs 1,64 --ctx 4096 --variants $order --profile-dir /tmp/pf --json "$OUT/propose-first-$t.json" \
-      > "$OUT/propose-first-$t.log" 2>&1
-    timeout 60 python3 -m jaxspec.bench trace /tmp/pf --rounds 20 --top 60 --json "$OUT/trace-propose-first-$t.json" \
-      >> "$OUT/propose-first-$t.log" 2>&1
-    echo "== $order"; grep "^propose ctx\|launches\|Error\|error:" "$OUT/propose-first-$t.log" | head -5; done
+  for order in stable,fused_stable fused_stable,stable; do
+    traced_propose first-${order%%,*} 1,64 $order ${FUSED_TIMEOUT:-200} 60; done
   [ "${FUSED_E2E:-0}" = 1 ] || exit 0
   timeout ${E2E_TIMEOUT:-300} python3 -m jaxspec.bench e2e --bs 1 --prompt-len 1024 --modes off,bucketed,bucketed-fused \
     -k 3 --rounds-per-call 4 --overlap on --json "$OUT/e2e-e4b-fused.json" > "$OUT/e2e-e4b-fused.log" 2>&1

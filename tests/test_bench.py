@@ -381,12 +381,14 @@ def test_diag_cluster_kernel_equals_the_chain_and_its_race_shows(capsys):
     """bench/diag_cluster.py (a chain of dependent products in one Mosaic GPU cluster kernel): lowered for CUDA and
     run in Mosaic GPU's interpreter (blocks, shared memory and barriers simulated on the CPU), each config and form
     equals the jnp chain; without its cluster barriers a block reads the next input before the others stored their
-    slices, and the check fails."""
+    slices, and the check fails (in at least one of its two forms: the interpreter's threads race, so which form
+    reads early varies run to run; CI once saw only the prefetch form fail, so it gets up to three tries)."""
     diag = _diag_cluster()
     assert diag.check([(2, 128), (4, 256)], [1, 2]) == 0
-    assert diag.check([(4, 256)], [2], sync=False) > 0
     out = capsys.readouterr().out
-    assert out.count(" ok") == 8 and "MISMATCH" in out
+    assert out.count(" ok") == 8 and "MISMATCH" not in out
+    assert any(diag.check([(4, 256)], [2], sync=False) > 0 for _ in range(3))  # a race: up to three tries to show
+    assert "MISMATCH" in capsys.readouterr().out
 
 
 def test_diag_cluster_repeated_chains_its_calls():

@@ -32,6 +32,25 @@ def no_compile_cache_in_the_test_process():
         m.setattr(jaxspec.cache, "enable_compile_cache", lambda: None)
         yield
 
+# Fixtures shared by several tests that take 10-120 s to build (a plain greedy reference, converted GGUF models,
+# runs of the CLI or of a server). Under `-n 2` pytest-xdist hands tests out one by one, and a module- or
+# session-scoped fixture is built once per worker that runs a test needing it: twice when its tests land on both.
+# `--dist loadgroup` (the README's test command) keeps each such fixture's tests on one worker.
+SHARED_FIXTURES = {"plain_reference", "runs", "outcomes", "interrupts", "model_dir", "server", "tiny", "trained",
+                   "engine_drafts", "with_tokenizer", "sampling_oracle", "source"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the marks into the tests' ids
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        shared = sorted(SHARED_FIXTURES.intersection(getattr(item, "fixturenames", ())))
+        if shared:  # the session-scoped reference across modules; the rest are module-scoped
+            key = "plain_reference" if "plain_reference" in shared else item.module.__name__
+            item.add_marker(pytest.mark.xdist_group(key))
+
+
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
 

@@ -60,6 +60,8 @@
 # measured at 0.8-1.9 µs, no cheaper than a kernel boundary), s23-fused-rows, fewer phases and bytes a propose;
 # s20-concurrent with E2E_TIMEOUT=300 after warm compiles.
 # session 22 (issue #14): s22-fused (FUSED_E2E=1 on a warm machine), s22-cluster, s22-default, s22-cluster-device.
+# session 23: no device time. Next (issue #14): goal-rows first (every goal row of #14 in one call, the figures of
+# session 22 came from a slow machine), then s23-fused-rows.
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -664,6 +666,16 @@ s21-pin)  # issue #14 (next): JAXSPEC_PIN_OUTPUT 0 against 1 (the decode call's 
       > "$OUT/e2e-e4b-pin$v.log" 2>&1; echo "== E4B JAXSPEC_PIN_OUTPUT=$v"; grep -h "^e2e bs" "$OUT/e2e-e4b-pin$v.log"; done
   [[ $steps == *" 270m "* ]] && [ -d /root/gemma-3-270m ] && RS=1 switch_ab_270m \
     JAXSPEC_PIN_OUTPUT pin ${AB_TIMEOUT:-200}; true ;;
+goal-rows)  # issue #14: every goal row of the target's and the drafter's steps in one call (E4B, 4K, the defaults): the
+  # propose at bs 1 and 64 (bucketed: the default program, fresh host inputs each call), verify at bs 1 and 16, decode
+  # at bs 1 (paged), each in its own process (a cut loses one row, not all); then `python -m jaxspec.bench goals` here
+  timeout ${PROPOSE_TIMEOUT:-200} python3 -m jaxspec.bench propose --bs 1,64 --ctx 4096 --variants bucketed \
+    --json "$OUT/propose-goals.json" > "$OUT/goals.log" 2>&1
+  timeout ${VERIFY_TIMEOUT:-200} python3 -m jaxspec.bench verify --bs 1,16 --json "$OUT/verify-goals.json" \
+    >> "$OUT/goals.log" 2>&1
+  timeout ${DECODE_TIMEOUT:-120} python3 -m jaxspec.bench decode --bs 1 --cache paged --json "$OUT/decode-goals.json" \
+    >> "$OUT/goals.log" 2>&1
+  grep -E "^(propose|verify|decode)|Error|error:" "$OUT/goals.log" | head -20 ;;
 s23-fused-rows)  # issue #14 (next): why the fused drafter kernels fall behind the jnp step from bs 8 up (session 22: bs 8
   # 1300-1319 against 1008-1132 µs). Both steps at bs 8, inputs on the device, each traced in its own process
   # (every kernel listed), so the kernels whose time grows with the rows are named

@@ -60,8 +60,10 @@
 # measured at 0.8-1.9 µs, no cheaper than a kernel boundary), s23-fused-rows, fewer phases and bytes a propose;
 # s20-concurrent with E2E_TIMEOUT=300 after warm compiles.
 # session 22 (issue #14): s22-fused (FUSED_E2E=1 on a warm machine), s22-cluster, s22-default, s22-cluster-device.
+# session 24 (issue #14, no device time; `bench graph` counts launches without one): next, goal-rows, s24-graph,
+# s24-norms, s24-tiling, then s23-fused-rows.
 # session 23: no device time. Next (issue #14): goal-rows first (every goal row of #14 in one call, the figures of
-# session 22 came from a slow machine), then s23-fused-rows.
+# session 22 came from a slow machine), then s23-fused-rows (session 24 adds s24-graph, s24-norms, s24-tiling).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -676,6 +678,30 @@ goal-rows)  # issue #14: every goal row of the target's and the drafter's steps 
   timeout ${DECODE_TIMEOUT:-120} python3 -m jaxspec.bench decode --bs 1 --cache paged --json "$OUT/decode-goals.json" \
     >> "$OUT/goals.log" 2>&1
   grep -E "^(propose|verify|decode)|Error|error:" "$OUT/goals.log" | head -20 ;;
+s24-graph)  # issue #14 (next): `bench graph` on the device (XLA's autotuned GEMMs) against the launches a trace counts in
+  # the same programs (session 24 counted, for an H200 described to XLA on a CPU: verify bs 1 783 = session 17's trace,
+  # propose bs 1 110 + 4 input copies = session 22's trace 114), then verify bs 1 traced (its launches a call)
+  timeout ${GRAPH_TIMEOUT:-300} python3 -m jaxspec.bench graph --top 0 --json "$OUT/graph-h200.json" \
+    > "$OUT/graph.log" 2>&1
+  tail -8 "$OUT/graph.log"
+  rm -rf /tmp/vg; XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${VERIFY_TIMEOUT:-200} \
+    python3 -m jaxspec.bench verify --bs 1 --profile-dir /tmp/vg --json "$OUT/verify-graph.json" \
+    > "$OUT/verify-graph.log" 2>&1
+  timeout 60 python3 -m jaxspec.bench trace /tmp/vg --rounds 20 --top 900 --json "$OUT/trace-verify-graph.json" \
+    >> "$OUT/verify-graph.log" 2>&1
+  grep "^step of\|launches\|Error" "$OUT/verify-graph.log" | head -4 ;;
+s24-norms)  # issue #14 (next): the Pallas residual norm (JAXSPEC_FUSED_NORMS=1) on the decode step, where XLA splits each
+  # norm of a single row into a reduction and an elementwise kernel (bench graph: decode bs 1 983 -> 773 launches;
+  # verify 783 -> 785, its norms already one Triton kernel each): decode bs 1 (paged) 0, 1, 0 in three processes
+  for v in 0 1 0; do JAXSPEC_FUSED_NORMS=$v timeout ${DECODE_TIMEOUT:-150} python3 -m jaxspec.bench decode --bs 1 \
+      --cache paged --json "$OUT/decode-fnorm$v-experiment.json" > "$OUT/decode-fnorm$v.log" 2>&1
+    echo "== JAXSPEC_FUSED_NORMS=$v"; grep "^step of\|Error" "$OUT/decode-fnorm$v.log" | head -3; done ;;
+s24-tiling)  # issue #14 (next): XLA's tiling propagation (bench graph: verify bs 1 783 -> 764 launches, the shared
+  # layers' q norm and RoPE in one kernel) on verify bs 1, off / on / off in three processes
+  for f in "" --xla_gpu_experimental_enable_tiling_propagation=true ""; do t=$([ -n "$f" ] && echo on || echo off)
+    XLA_FLAGS="$f" timeout ${VERIFY_TIMEOUT:-150} python3 -m jaxspec.bench verify --bs 1 \
+      --json "$OUT/verify-tiling-$t-experiment.json" > "$OUT/verify-tiling-$t.log" 2>&1
+    echo "== tiling propagation $t"; grep "^step of\|Error" "$OUT/verify-tiling-$t.log" | head -3; done ;;
 s23-fused-rows)  # issue #14 (next): why the fused drafter kernels fall behind the jnp step from bs 8 up (session 22: bs 8
   # 1300-1319 against 1008-1132 µs). Both steps at bs 8, inputs on the device, each traced in its own process
   # (every kernel listed), so the kernels whose time grows with the rows are named

@@ -19,12 +19,10 @@ import jax.numpy as jnp
 import pytest
 from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
+from jaxspec.bench import graph
 from jaxspec.config import FULL, PRESETS, SLIDING, assistant_preset, bench_pair
 from jaxspec.draft.bucketed import draft
 from jaxspec.engine.programs import DecodeState, Programs, Weights
-from jaxspec.model.weights import random_assistant_params, random_target_params
-from jaxspec.paged_kv.cache import LayerKV
-from jaxspec.paged_kv.metadata import CacheSpec, PageTables
 from jaxspec.pallas import draft_layer as dl
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -52,19 +50,7 @@ def lower_for_cuda(fn, *args) -> collections.Counter:
 
 
 def abstract_state(cfg, acfg, batch):
-    spec = CacheSpec(page_size=PAGE, num_full_pages=batch * CONTEXT // PAGE + 8, num_swa_pages=batch * 40 + 8,
-                     max_pages_per_request=CONTEXT // PAGE)
-    target = jax.eval_shape(functools.partial(random_target_params, cfg, 0, jnp.bfloat16))
-    assistant = jax.eval_shape(functools.partial(random_assistant_params, acfg, 0, jnp.bfloat16))
-    kv = {}
-    for t, layers in cfg.kv_layers.items():
-        if layers:
-            pages = spec.num_full_pages if t == FULL else spec.num_swa_pages
-            shape = (len(layers), pages * PAGE, cfg.type_kv_heads(t), cfg.type_head_dim(t))
-            kv[t] = LayerKV(k=jax.ShapeDtypeStruct(shape, jnp.bfloat16), v=jax.ShapeDtypeStruct(shape, jnp.bfloat16))
-    pages = PageTables(page_table=jax.ShapeDtypeStruct((batch, spec.max_pages_per_request), jnp.int32),
-                       swa_of_full=jax.ShapeDtypeStruct((spec.num_full_pages,), jnp.int32))
-    return spec, target, assistant, kv, pages
+    return graph.abstract_state(cfg, acfg, batch, CONTEXT, PAGE)
 
 
 def default_pair_shapes():

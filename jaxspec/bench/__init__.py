@@ -7,6 +7,7 @@
     e2e       the engine end to end: tokens/s, accept length, the round's time split
     serve     the OpenAI server under N concurrent streaming clients: throughput, TTFT, inter-token latency
     trace     summarise a profiler trace: kernels and modules per round, GPU-busy fraction, gaps between rounds
+    graph     kernel launches per call of propose / verify / decode, counted in XLA's optimized HLO (no GPU needed)
     memory    KV bytes per request with and without the SWA pool (arithmetic only)
     goals     goals.json: each project goal from the newest result file that measured it
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxspec.bench import decode, e2e, goals, kernels, memory, propose, serve, trace
+from jaxspec.bench import decode, e2e, goals, graph, kernels, memory, propose, serve, trace
 from jaxspec.bench.common import HBM_BYTES_PER_S, ResultFile, command_line, positive
 from jaxspec.config import ConfigError
 
@@ -36,6 +37,7 @@ SUBCOMMANDS = {
     "e2e": (e2e.add_args, e2e.run),
     "memory": (memory.add_args, memory.run),
     "trace": (trace.add_args, trace.run),
+    "graph": (graph.add_args, graph.run),
     "serve": (serve.add_args, serve.run),
 }
 # the same for subcommands that read result files and write their own output, without the measuring options

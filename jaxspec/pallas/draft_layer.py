@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxspec.model.layers import gelu_tanh, linear, rms_norm, sqrt_scale
+from jaxspec.pallas import interpret_by_default
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
 
@@ -75,7 +76,7 @@ def supported(hidden: int, head_dims, intermediate: int, backbone_hidden: int) -
 
 
 def _interpret(interpret):
-    return jax.default_backend() == "cpu" if interpret is None else interpret
+    return interpret_by_default() if interpret is None else interpret
 
 
 def _params(num_warps=4, num_stages=2):

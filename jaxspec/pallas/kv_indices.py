@@ -16,6 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxspec.pallas import interpret_by_default
+
 # jax 0.11 lowers pallas_call on GPU to Triton and warns that this backend is deprecated; it is the one we target.
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
 
@@ -76,7 +78,7 @@ def gather_kv_indices(page_table, kv_start, kv_end, swa_of_full, *, width: int, 
     if block & (block - 1) or width % block:
         raise ValueError(f"block ({block}) must be a power of two dividing width ({width})")
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        interpret = interpret_by_default()
     B = page_table.shape[0]
     translate = swa_of_full is not None
     kernel = functools.partial(_gather_kernel, width=width, page_size=page_size, block=block,

@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxspec.model.attention import attention
+from jaxspec.pallas import interpret_by_default
 
 # jax 0.11 lowers pallas_call on GPU to Triton and warns that this backend is deprecated; it is the one we target.
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
@@ -444,7 +445,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     if num_stages is None:
         num_stages = 1 if D >= 512 else 2  # head_dim 512 K/V tiles overflow shared memory with 2 stages
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        interpret = interpret_by_default()
     row_blocks = padded_rows // block_q
     if num_splits is None:
         num_splits = 2 if interpret else default_splits(B, KVH, row_blocks, width, block_k)

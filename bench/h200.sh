@@ -61,9 +61,9 @@
 # s20-concurrent with E2E_TIMEOUT=300 after warm compiles.
 # session 22 (issue #14): s22-fused (FUSED_E2E=1 on a warm machine), s22-cluster, s22-default, s22-cluster-device.
 # session 24 (issue #14, no device time; `bench graph` counts launches without one): next, goal-rows, s24-graph,
-# s24-norms, s24-tiling, then s23-fused-rows.
+# s24-graph-trace, s24-norms, s24-tiling, then s23-fused-rows.
 # session 23: no device time. Next (issue #14): goal-rows first (every goal row of #14 in one call, the figures of
-# session 22 came from a slow machine), then s23-fused-rows (session 24 adds s24-graph, s24-norms, s24-tiling).
+# session 22 came from a slow machine), then s23-fused-rows (session 24 adds s24-graph, s24-graph-trace, s24-norms, s24-tiling).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -678,18 +678,22 @@ goal-rows)  # issue #14: every goal row of the target's and the drafter's steps 
   timeout ${DECODE_TIMEOUT:-120} python3 -m jaxspec.bench decode --bs 1 --cache paged --json "$OUT/decode-goals.json" \
     >> "$OUT/goals.log" 2>&1
   grep -E "^(propose|verify|decode)|Error|error:" "$OUT/goals.log" | head -20 ;;
-s24-graph)  # issue #14 (next): `bench graph` on the device (XLA's autotuned GEMMs) against the launches a trace counts in
-  # the same programs (session 24 counted, for an H200 described to XLA on a CPU: verify bs 1 783 = session 17's trace,
-  # propose bs 1 110 + 4 input copies = session 22's trace 114), then verify bs 1 traced (its launches a call)
-  timeout ${GRAPH_TIMEOUT:-300} python3 -m jaxspec.bench graph --top 0 --json "$OUT/graph-h200.json" \
+s24-graph)  # issue #14 (next): `bench graph` on the device (XLA's autotuned GEMMs): launches a call of propose bs 1/64,
+  # verify bs 1/16, decode bs 1 and the engine's round (bs 1, R 1). Session 24 counted, for an H200 described to XLA on
+  # a CPU: 110, 184, 783, 791, 983 and the round's; the traces: verify bs 1 783 (session 17), propose bs 1 110 + 4 input
+  # copies (session 22); s24-graph-trace traces the same verify and propose again beside it
+  timeout ${GRAPH_TIMEOUT:-420} python3 -m jaxspec.bench graph --top 0 --json "$OUT/graph-h200.json" \
     > "$OUT/graph.log" 2>&1
-  tail -8 "$OUT/graph.log"
+  tail -10 "$OUT/graph.log" ;;
+s24-graph-trace)  # issue #14 (next): verify bs 1 and propose bs 1 (the default program) traced: launches a call from
+  # the profile, against s24-graph's counts of the same programs
   rm -rf /tmp/vg; XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${VERIFY_TIMEOUT:-200} \
     python3 -m jaxspec.bench verify --bs 1 --profile-dir /tmp/vg --json "$OUT/verify-graph.json" \
     > "$OUT/verify-graph.log" 2>&1
   timeout 60 python3 -m jaxspec.bench trace /tmp/vg --rounds 20 --top 900 --json "$OUT/trace-verify-graph.json" \
     >> "$OUT/verify-graph.log" 2>&1
-  grep "^step of\|launches\|Error" "$OUT/verify-graph.log" | head -4 ;;
+  grep "^step of\|launches\|Error" "$OUT/verify-graph.log" | head -4
+  traced_propose graph 1 bucketed ${PROPOSE_TIMEOUT:-200} 120 ;;
 s24-norms)  # issue #14 (next): the Pallas residual norm (JAXSPEC_FUSED_NORMS=1) on the decode step, where XLA splits each
   # norm of a single row into a reduction and an elementwise kernel (bench graph: decode bs 1 983 -> 773 launches;
   # verify 783 -> 785, its norms already one Triton kernel each): decode bs 1 (paged) 0, 1, 0 in three processes

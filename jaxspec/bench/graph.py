@@ -14,7 +14,9 @@ Counted: every instruction of the entry computation that XLA runs as a kernel (f
 calls, scatters, copies...), calls inlined and while bodies times their known trip count; parameters, constants,
 tuples and bitcasts launch nothing. The programs are those the goals measure, at the goals' shapes: `propose` (the
 bucketed drafter's program for one bucket, BucketedDrafter as the engine builds it), `verify` (k + 1 positions per
-row) and `decode` (1 position) over the paged cache (`bench verify` / `bench decode`'s step).
+row) and `decode` (1 position) over the paged cache (`bench verify` / `bench decode`'s step), and `round`: the
+engine's decode program of R speculative rounds (draft, verify, accept; `Programs.decode_rounds` compiled as the
+engine's Runner compiles it), what a served request's decoding launches.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from jaxspec.config import FULL, AssistantConfig, ConfigError, TargetConfig, ben
 from jaxspec.paged_kv.cache import LayerKV
 from jaxspec.paged_kv.metadata import CacheSpec, PageTables
 
-PROGRAMS = ("propose", "verify", "decode")
+PROGRAMS = ("propose", "verify", "decode", "round")
 
 # An H200 SXM as XLA's GPU compiler sees one (stream_executor.GpuTargetConfigProto, text format): Hopper sm_90 with
 # 132 SMs, 228 KiB of shared memory an SM (227 KiB a block opted in), 50 MiB of L2, 141 GB of HBM3e at 4.8 TB/s.
@@ -192,10 +194,13 @@ def abstract_state(cfg: TargetConfig, acfg: AssistantConfig, batch: int, ctx: in
     return spec, place(target), place(assistant), place(kv), place(pages)
 
 
-def compiled_text(program: str, preset: str, bs: int, ctx: int, k: int, page_size: int, device) -> str:
-    """XLA's optimized HLO of one program, compiled for `device`."""
+def compiled_text(program: str, preset: str, bs: int, ctx: int, k: int, page_size: int, device,
+                  rounds: int = 1) -> str:
+    """XLA's optimized HLO of one program, compiled for `device` (rounds: the round program's R)."""
+    from jaxspec.aot import lower_ahead, matmul_precision
     from jaxspec.bench.decode import paged_decode_step
-    from jaxspec.draft.bucketed import BucketedDrafter
+    from jaxspec.draft.bucketed import DRAFT_COMPILER_OPTIONS, BucketedDrafter
+    from jaxspec.engine.programs import DecodeState, Programs, Weights
     from jaxspec.model import gemma4
 
     cfg, acfg = bench_pair(preset)
@@ -206,10 +211,18 @@ def compiled_text(program: str, preset: str, bs: int, ctx: int, k: int, page_siz
         drafter.cache = types.SimpleNamespace(kv=kv, spec=spec, swa_of_full=pages.swa_of_full)
         drafter.compile()  # what attach() compiles, against the abstract cache
         return drafter.executables[bs].as_text()
-    T = k + 1 if program == "verify" else 1
-    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                          jax.eval_shape(gemma4.stored_params, target))
+    place = functools.partial(jax.tree.map, lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding))
+    params = place(jax.eval_shape(gemma4.stored_params, target))  # as the engine keeps them
     vec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)  # noqa: E731
+    if program == "round":
+        programs = Programs(cfg=cfg, acfg=acfg, spec=spec, k=k, draft_mode="bucketed", use_kernels=True,
+                            eos=tuple(cfg.eos_token_ids))
+        state = place(jax.eval_shape(lambda: DecodeState.empty(bs + 1, cfg.hidden_size, DTYPE)))
+        lowered = lower_ahead(programs.decode_rounds(rounds, False), Weights(target=params, assistant=assistant),
+                              kv, state, vec(bs), pages, donate_argnames=("kv", "state"),
+                              compiler_options=DRAFT_COMPILER_OPTIONS, precision=matmul_precision(DTYPE))
+        return lowered.compile().as_text()
+    T = k + 1 if program == "verify" else 1
     lowered = paged_decode_step.trace(params, kv, pages, vec(bs, T), vec(bs), vec(bs), cfg=cfg, spec=spec).lower()
     return lowered.compile().as_text()
 
@@ -220,15 +233,17 @@ def compiled_text(program: str, preset: str, bs: int, ctx: int, k: int, page_siz
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=PRESET_NAMES, default="E4B")
     p.add_argument("--programs", type=names_from(PROGRAMS), default=list(PROGRAMS),
-                   help="propose (the bucketed drafter), verify (k + 1 positions), decode (1 position)")
+                   help="propose (the bucketed drafter), verify (k + 1 positions), decode (1 position), round (the "
+                   "engine's decode program: R rounds of draft, verify, accept)")
     p.add_argument("--bs", type=sizes, help="batch sizes (default: the goals': propose 1,64, verify 1,16, decode 1)")
     p.add_argument("--ctx", type=positive, default=4096, help="positions per request")
     p.add_argument("-k", type=positive, default=3, help="draft steps (propose) / drafts verified (verify)")
+    p.add_argument("--rounds", type=positive, default=1, help="R of the round program (rounds per call)")
     p.add_argument("--top", type=int, default=12, help="kernels listed per program, by jax op (0: none)")
     p.add_argument("--hlo-dir", help="also write each program's optimized HLO here")
 
 
-GOAL_SIZES = {"propose": [1, 64], "verify": [1, 16], "decode": [1]}
+GOAL_SIZES = {"propose": [1, 64], "verify": [1, 16], "decode": [1], "round": [1]}
 
 
 def run(args) -> dict:
@@ -243,7 +258,8 @@ def run(args) -> dict:
         for bs in args.bs or GOAL_SIZES[program]:
             t0 = time.perf_counter()
             with jax.default_device(device) if described else contextlib.nullcontext():
-                text = compiled_text(program, args.preset, bs, args.ctx, args.k, args.page_size, device)
+                text = compiled_text(program, args.preset, bs, args.ctx, args.k, args.page_size, device,
+                                     args.rounds)
             seconds = time.perf_counter() - t0
             if args.hlo_dir:
                 os.makedirs(args.hlo_dir, exist_ok=True)
@@ -255,7 +271,8 @@ def run(args) -> dict:
                 kinds[kind] += n
             # products XLA emits as plain fusions: split-K reductions after a GEMM, and one-row products (GEMVs)
             dot_fusions = sum(n for (kind, name), n in counter.items() if kind == "fusion" and name == "dot_general")
-            row = {"program": program, "bs": bs, "ctx": args.ctx, "k": args.k, "launches": sum(counter.values()),
+            row = {"program": program, "bs": bs, "ctx": args.ctx, "k": args.k,
+                   "rounds": args.rounds if program == "round" else None, "launches": sum(counter.values()),
                    "gemm": kinds["gemm"], "dot_fusions": dot_fusions, "pallas": kinds["pallas"],
                    "other_fusions": kinds["fusion"] - dot_fusions,
                    "other": sum(kinds.values()) - kinds["gemm"] - kinds["pallas"] - kinds["fusion"],

@@ -60,10 +60,10 @@
 # measured at 0.8-1.9 µs, no cheaper than a kernel boundary), s23-fused-rows, fewer phases and bytes a propose;
 # s20-concurrent with E2E_TIMEOUT=300 after warm compiles.
 # session 22 (issue #14): s22-fused (FUSED_E2E=1 on a warm machine), s22-cluster, s22-default, s22-cluster-device.
-# session 24 (issue #14, no device time; `bench graph` counts launches without one): next, goal-rows, s24-graph,
-# s24-graph-trace, s24-norms, s24-tiling, then s23-fused-rows.
+# session 24 (issue #14, no device time; `bench graph` counts launches without one): next, goal-rows, s24-qkv,
+# s24-qkv-decode, s24-graph, s24-graph-trace, s24-norms, s24-tiling, then s23-fused-rows.
 # session 23: no device time. Next (issue #14): goal-rows first (every goal row of #14 in one call, the figures of
-# session 22 came from a slow machine), then s23-fused-rows (session 24 adds s24-graph, s24-graph-trace, s24-norms, s24-tiling).
+# session 22 came from a slow machine), then s23-fused-rows (session 24 adds s24-qkv, s24-qkv-decode, s24-graph, s24-graph-trace, s24-norms, s24-tiling).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
@@ -706,6 +706,20 @@ s24-tiling)  # issue #14 (next): XLA's tiling propagation (bench graph: verify b
     XLA_FLAGS="$f" timeout ${VERIFY_TIMEOUT:-150} python3 -m jaxspec.bench verify --bs 1 \
       --json "$OUT/verify-tiling-$t-experiment.json" > "$OUT/verify-tiling-$t.log" 2>&1
     echo "== tiling propagation $t"; grep "^step of\|Error" "$OUT/verify-tiling-$t.log" | head -3; done ;;
+s24-qkv)  # issue #14 (next): the q/k/v kernel (JAXSPEC_QKV_KERNEL=1: a non-shared layer's q/k/v norms, RoPE and K/V
+  # write in one launch; bench graph: verify bs 1 783 -> 732 launches, decode bs 1 983 -> 885). GPU lane (the kernel
+  # against its reference, compiled by Triton; the engine with it against transformers' greedy), then verify bs 1 with
+  # the switch 0, 1, 0 in three processes
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_qkv_cache.py tests/test_rounds.py \
+    -k "qkv" > "$OUT/tests-qkv.txt" 2>&1
+  grep -E "passed|failed" "$OUT/tests-qkv.txt" | tail -2
+  for v in 0 1 0; do JAXSPEC_QKV_KERNEL=$v timeout ${VERIFY_TIMEOUT:-130} python3 -m jaxspec.bench verify --bs 1 \
+      --json "$OUT/verify-qkv$v-experiment.json" > "$OUT/verify-qkv$v.log" 2>&1
+    echo "== JAXSPEC_QKV_KERNEL=$v"; grep "^step of\|Error" "$OUT/verify-qkv$v.log" | head -3; done ;;
+s24-qkv-decode)  # issue #14 (next): decode bs 1 (paged) with JAXSPEC_QKV_KERNEL 0, 1, 0 in three processes
+  for v in 0 1 0; do JAXSPEC_QKV_KERNEL=$v timeout ${DECODE_TIMEOUT:-130} python3 -m jaxspec.bench decode --bs 1 \
+      --cache paged --json "$OUT/decode-qkv$v-experiment.json" > "$OUT/decode-qkv$v.log" 2>&1
+    echo "== JAXSPEC_QKV_KERNEL=$v"; grep "^step of\|Error" "$OUT/decode-qkv$v.log" | head -3; done ;;
 s23-fused-rows)  # issue #14 (next): why the fused drafter kernels fall behind the jnp step from bs 8 up (session 22: bs 8
   # 1300-1319 against 1008-1132 µs). Both steps at bs 8, inputs on the device, each traced in its own process
   # (every kernel listed), so the kernels whose time grows with the rows are named

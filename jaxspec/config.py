@@ -36,7 +36,8 @@ def compile_threads_env() -> int | None:
 # on/off environment switches, for comparing runs
 SWITCHES = ("JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE", "JAXSPEC_UNROLL_ROUNDS", "JAXSPEC_ATTN_GATHER_Q",
             "JAXSPEC_FUSE_QKV", "JAXSPEC_ATTN_MERGED", "JAXSPEC_ATTN_PREFETCH", "JAXSPEC_FUSED_NORMS",
-            "JAXSPEC_JOINT_QK_NORM", "JAXSPEC_GEMV", "JAXSPEC_SPLIT_PRODUCTS", "JAXSPEC_PIN_OUTPUT")
+            "JAXSPEC_JOINT_QK_NORM", "JAXSPEC_GEMV", "JAXSPEC_SPLIT_PRODUCTS", "JAXSPEC_PIN_OUTPUT",
+            "JAXSPEC_QKV_KERNEL")
 
 
 def env_switch(name: str) -> bool | None:

@@ -212,7 +212,12 @@ def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, p
     reference's or the kernels' norms and small products (`LayerOps`)."""
     eps, add_norm, product = cfg.rms_norm_eps, ops.add_norm, ops.product
     B, T, _ = x.shape
-    q, k, v = qkv(w, cfg, i, h, positions, product)
+    into_cache = getattr(attend, "qkv_into_cache", None)  # JAXSPEC_QKV_KERNEL=1: norms, RoPE, K/V write in one kernel
+    if into_cache is not None and "qkv_proj" in w:
+        q, cache = into_cache(cache, i, product(h, w.vec("qkv_proj")), w.vec("q_norm"), w.vec("k_norm"), positions)
+        k = v = None  # written
+    else:
+        q, k, v = qkv(w, cfg, i, h, positions, product)
     a, cache = attend(cache, i, q, k, v)
     a = a.reshape(B, T, -1)
     o = split_linear(a, w["o_proj_split"]) if "o_proj_split" in w else product(a, w.vec("o_proj"))

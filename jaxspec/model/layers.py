@@ -32,13 +32,22 @@ def apply_rope(x, positions, rope: Rope):
     x: [B, T, N, D]; positions: int32[B, T]. Proportional (partial) RoPE has zero tail frequencies, which leaves
     those dims unrotated (cos 1, sin 0).
     """
+    cos, sin = rope_tables(positions, rope, x.shape[-1], acc_dtype(x.dtype))
+    return rotate(x, cos[:, :, None, :], sin[:, :, None, :])
+
+
+def rope_tables(positions, rope: Rope, D: int, dtype):
+    """cos, sin [B, T, D] in `dtype` (the accumulation dtype) of the rotate-half layout at positions int32[B, T]."""
+    inv = jnp.asarray(rope_inv_freq(rope, D, np.dtype(dtype)))  # [D/2]
+    f = positions.astype(dtype)[..., None] * inv  # [B, T, D/2]
+    emb = jnp.concatenate([f, f], axis=-1)  # [B, T, D]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def rotate(x, cos, sin):
+    """x [..., D] rotated by tables cos, sin that broadcast to it, computed in their dtype, rounded to x's."""
     D = x.shape[-1]
-    acc = acc_dtype(x.dtype)
-    inv = jnp.asarray(rope_inv_freq(rope, D, np.dtype(acc)))  # [D/2]
-    f = positions.astype(acc)[..., None] * inv  # [B, T, D/2]
-    emb = jnp.concatenate([f, f], axis=-1)[:, :, None, :]  # [B, T, 1, D]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
-    xf = x.astype(acc)
+    xf = x.astype(cos.dtype)
     rot = jnp.concatenate([-xf[..., D // 2:], xf[..., : D // 2]], axis=-1)
     return (xf * cos + rot * sin).astype(x.dtype)
 

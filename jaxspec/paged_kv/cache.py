@@ -16,8 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import FULL, TargetConfig, env_switch
+from jaxspec.model.layers import acc_dtype, rope_tables
 from jaxspec.paged_kv.metadata import CacheSpec, StepMetadata
 from jaxspec.paged_kv.pool import PagePool
+from jaxspec.pallas.qkv_cache import qkv_cache
+from jaxspec.pallas.row_norms import Vec
 from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_ref,
                                             paged_attention_rows, query_rows, row_ranges, sem_size)
 
@@ -167,6 +170,20 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
                           fixed_splits=meta.invariant, sems=sems)
         return attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi), kv
 
+    if use_kernels and mesh is None and env_switch("JAXSPEC_QKV_KERNEL") is True:
+        def qkv_into_cache(kv, i, out, q_norm: Vec, k_norm: Vec, positions):
+            """A non-shared layer's fused q/k/v product `out` [B, T, (NH + KVH (+ KVH)) D] -> (q normed and rotated,
+            kv with the step's K and V written): `qkv_cache`, one kernel for what `gemma4.joint_qkv` and the scatter
+            above run as several (JAXSPEC_QKV_KERNEL=1; then `attend` is called with k = v = None)."""
+            t, layer = cfg.kv_slot(i)
+            stack = kv[t]
+            cos, sin = rope_tables(positions, cfg.rope(cfg.layer_types[i]), stack.k.shape[-1], acc_dtype(out.dtype))
+            q, k, v = qkv_cache(out, q_norm, k_norm, cos, sin, stack.k, stack.v, layer, meta.layers[t].write,
+                                num_heads=cfg.num_heads, has_v=cfg.has_v_proj(i), v_norm=cfg.use_v_norm,
+                                eps=cfg.rms_norm_eps)
+            return q, {**kv, t: LayerKV(k=k, v=v)}
+
+        attend.qkv_into_cache = qkv_into_cache
     return attend
 
 

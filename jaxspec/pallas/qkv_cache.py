@@ -1,0 +1,153 @@
+"""Pallas (Triton) kernel of a decoder layer's step between its q/k/v product and its attention, and its jnp reference
+(`qkv_cache_ref`: `gemma4.joint_qkv`'s math and the paged cache's K/V scatter, as the step ran them before).
+
+A non-shared Gemma 4 layer norms its q, k and v heads (q_norm, k_norm, the weightless v-norm), rotates q and k (RoPE)
+and writes K and V into the paged cache at the step's slots. XLA runs that as three to five kernels a layer: the
+heads' norm (one Triton fusion at 4 rows; a reduction and an elementwise kernel at 1 row), q's RoPE, and one scatter
+each for K and V with k's RoPE inside (`python -m jaxspec.bench graph`, BENCHMARKS.md session 24). Here one program
+per token row does all of it: the row's heads loaded once, each head as its two RoPE halves (pairs i and i + D/2), so
+the rotation needs no permuted copy; q stored for the attention kernel; K and V stored in place into the layer's
+stack (the stacks are aliased to the outputs, as the scatter updated them in place), a padding row (slot 0) storing
+nothing, as the scatter drops it. Values are rounded to the activations' dtype where the reference rounds them (the
+norm's output, the rotation's); the norm sums a head's squares in another order than `jnp.mean`, so a head's scale
+can differ in its last fp32 bit and a value rounded after it by one ulp of the dtype. A row never reads another row.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jaxspec.model.layers import acc_dtype, rms_norm, rotate
+from jaxspec.pallas.draft_layer import _interpret
+from jaxspec.pallas.row_norms import Vec
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
+
+pallas_call = pl.pallas_call  # (a module name, so that tests can watch the kernel's calls)
+
+
+def split_heads(out, num_heads: int, head_dim: int, has_v: bool):
+    """The fused q/k/v product's output [B, T, (NH + KVH (+ KVH)) D] as heads [B, T, heads, D], and KVH."""
+    B, T, _ = out.shape
+    heads = out.reshape(B, T, -1, head_dim)
+    return heads, (heads.shape[2] - num_heads) // (2 if has_v else 1)
+
+
+def qkv_cache_ref(out, q_norm: Vec, k_norm: Vec, cos, sin, k_stack, v_stack, layer: int, slots, *, num_heads: int,
+                  has_v: bool, v_norm: bool, eps: float):
+    """out: the product [B, T, (NH + KVH (+ KVH)) D]; q_norm, k_norm: fp32 [D] vectors (`Vec`: a row of a stack,
+    read in place by the kernel); cos, sin: fp32 [B, T, D]
+    (`layers.rope_tables`); k_stack, v_stack: [L, S, KVH, D]; slots: int32 [B, T] (0: padding, not written).
+    Returns (q [B, T, NH, D] normed and rotated, k_stack, v_stack with the rows' K (normed, rotated) and V (normed
+    where v_norm; the raw K projection where not has_v) written at layer `layer`)."""
+    D = k_stack.shape[-1]
+    heads, KVH = split_heads(out, num_heads, D, has_v)
+    acc = acc_dtype(out.dtype)
+    weights = [jnp.broadcast_to(q_norm.get().astype(acc), (num_heads, D)),
+               jnp.broadcast_to(k_norm.get().astype(acc), (KVH, D))]
+    if has_v and v_norm:
+        weights.append(jnp.ones((KVH, D), acc))
+    normed = rms_norm(heads[:, :, : num_heads + KVH * len(weights[1:])], jnp.concatenate(weights), eps)
+    qk = rotate(normed[:, :, : num_heads + KVH], cos[:, :, None, :], sin[:, :, None, :])
+    if has_v:
+        v = normed[:, :, num_heads + KVH:] if v_norm else heads[:, :, num_heads + KVH:]
+    else:  # k_eq_v: V is the raw K projection
+        v = heads[:, :, num_heads:]
+        v = rms_norm(v, None, eps) if v_norm else v
+    k = qk[:, :, num_heads:]
+    B, T = slots.shape
+    rows = jnp.where(slots == 0, k_stack.shape[1], slots).reshape(-1)  # padding dropped
+    put = lambda stack, x: stack.at[layer, rows].set(x.reshape(B * T, KVH, D), mode="drop",  # noqa: E731
+                                                     unique_indices=True)
+    return qk[:, :, :num_heads], put(k_stack, k), put(v_stack, v)
+
+
+def _kernel(out_ref, qn_ref, kn_ref, cos_ref, sin_ref, slot_ref, _k_in, _v_in, q_ref, k_ref, v_ref, *,
+            num_heads: int, kv_heads: int, has_v: bool, v_norm: bool, eps: float, layer: int, qn_index: tuple,
+            kn_index: tuple):
+    m = pl.program_id(0)
+    D = k_ref.shape[-1]
+    half = D // 2
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    dtype = q_ref.dtype
+    f32 = jnp.float32
+    rnd = lambda v: v.astype(dtype).astype(f32)  # noqa: E731  (where the reference materialises a value)
+    cos = (cos_ref[m, lo], cos_ref[m, hi])
+    sin = (sin_ref[m, lo], sin_ref[m, hi])
+    # every load issued before any result is needed: the row's heads, as halves
+    heads = [(out_ref[m, j, lo].astype(f32), out_ref[m, j, hi].astype(f32))
+             for j in range(num_heads + kv_heads * (2 if has_v else 1))]
+    qn = (qn_ref[(*qn_index, lo)].astype(f32), qn_ref[(*qn_index, hi)].astype(f32))
+    kn = (kn_ref[(*kn_index, lo)].astype(f32), kn_ref[(*kn_index, hi)].astype(f32))
+
+    def norm(a, b, w=None):
+        r = lax.rsqrt((jnp.sum(a * a) + jnp.sum(b * b)) / D + eps)
+        a, b = a * r, b * r
+        if w is not None:
+            a, b = a * w[0], b * w[1]
+        return rnd(a), rnd(b)
+
+    def rope(a, b):  # rotate-half: (a, b) -> (a cos - b sin, b cos + a sin)
+        return (a * cos[0] - b * sin[0]).astype(dtype), (b * cos[1] + a * sin[1]).astype(dtype)
+
+    for j in range(num_heads):
+        a, b = rope(*norm(*heads[j], qn))
+        q_ref[m, j, lo] = a
+        q_ref[m, j, hi] = b
+    slot = slot_ref[m]
+
+    @pl.when(slot != 0)  # a padding row writes nothing (the scatter drops it)
+    def _():
+        for h in range(kv_heads):
+            a, b = rope(*norm(*heads[num_heads + h], kn))
+            k_ref[layer, slot, h, lo] = a
+            k_ref[layer, slot, h, hi] = b
+            va, vb = heads[num_heads + kv_heads + h] if has_v else heads[num_heads + h]
+            if v_norm:
+                va, vb = norm(va, vb)
+            v_ref[layer, slot, h, lo] = va.astype(dtype)
+            v_ref[layer, slot, h, hi] = vb.astype(dtype)
+
+
+def supported(out, k_stack) -> bool:
+    """Whether the kernel takes this layer: a head dim whose halves are power-of-two vectors of >= 16."""
+    half = k_stack.shape[-1] // 2
+    return k_stack.shape[-1] % 2 == 0 and half >= 16 and half & (half - 1) == 0 and out.dtype == k_stack.dtype
+
+
+def qkv_cache(out, q_norm: Vec, k_norm: Vec, cos, sin, k_stack, v_stack, layer: int, slots, *, num_heads: int,
+              has_v: bool, v_norm: bool, eps: float, interpret: bool | None = None):
+    """`qkv_cache_ref` in one kernel launch (one program per token row) where `supported`; the reference otherwise.
+    interpret: None runs the interpreter on CPU backends and compiles with Triton elsewhere."""
+    if not supported(out, k_stack):
+        return qkv_cache_ref(out, q_norm, k_norm, cos, sin, k_stack, v_stack, layer, slots, num_heads=num_heads,
+                             has_v=has_v, v_norm=v_norm, eps=eps)
+    B, T, _ = out.shape
+    D = k_stack.shape[-1]
+    heads, KVH = split_heads(out, num_heads, D, has_v)
+    M = B * T
+    operands = [heads.reshape(M, heads.shape[2], D), q_norm.stack, k_norm.stack,
+                cos.reshape(M, D).astype(jnp.float32), sin.reshape(M, D).astype(jnp.float32),
+                slots.reshape(M).astype(jnp.int32), k_stack, v_stack]
+    whole = lambda x: pl.BlockSpec(x.shape, lambda m: (0,) * x.ndim)  # noqa: E731  (indexed in the kernel)
+    q_shape = jax.ShapeDtypeStruct((M, num_heads, D), out.dtype)
+    kernel = functools.partial(_kernel, num_heads=num_heads, kv_heads=KVH, has_v=has_v, v_norm=v_norm,
+                               eps=float(eps), layer=int(layer), qn_index=tuple(q_norm.index),
+                               kn_index=tuple(k_norm.index))
+    q, k_stack, v_stack = pallas_call(
+        kernel, grid=(M,), in_specs=[whole(x) for x in operands],
+        out_specs=[whole(q_shape), whole(k_stack), whole(v_stack)],
+        out_shape=[q_shape, jax.ShapeDtypeStruct(k_stack.shape, k_stack.dtype),
+                   jax.ShapeDtypeStruct(v_stack.shape, v_stack.dtype)],
+        input_output_aliases={6: 1, 7: 2},
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=_interpret(interpret), name="qkv_cache",
+    )(*operands)
+    return q.reshape(B, T, num_heads, D), k_stack, v_stack

@@ -716,10 +716,13 @@ s24-qkv)  # issue #14 (next): the q/k/v kernel (JAXSPEC_QKV_KERNEL=1: a non-shar
   for v in 0 1 0; do JAXSPEC_QKV_KERNEL=$v timeout ${VERIFY_TIMEOUT:-130} python3 -m jaxspec.bench verify --bs 1 \
       --json "$OUT/verify-qkv$v-experiment.json" > "$OUT/verify-qkv$v.log" 2>&1
     echo "== JAXSPEC_QKV_KERNEL=$v"; grep "^step of\|Error" "$OUT/verify-qkv$v.log" | head -3; done ;;
-s24-qkv-decode)  # issue #14 (next): decode bs 1 (paged) with JAXSPEC_QKV_KERNEL 0, 1, 0 in three processes
-  for v in 0 1 0; do JAXSPEC_QKV_KERNEL=$v timeout ${DECODE_TIMEOUT:-130} python3 -m jaxspec.bench decode --bs 1 \
-      --cache paged --json "$OUT/decode-qkv$v-experiment.json" > "$OUT/decode-qkv$v.log" 2>&1
-    echo "== JAXSPEC_QKV_KERNEL=$v"; grep "^step of\|Error" "$OUT/decode-qkv$v.log" | head -3; done ;;
+s24-qkv-decode)  # issue #14 (next): decode bs 1 (paged) with (JAXSPEC_QKV_KERNEL, JAXSPEC_FUSED_NORMS) = (0, 0),
+  # (1, 1), (1, 0) in three processes (bench graph: 983, 675, 885 launches; (0, 1) 773 is s24-norms)
+  for v in 00 11 10; do JAXSPEC_QKV_KERNEL=${v:0:1} JAXSPEC_FUSED_NORMS=${v:1:1} timeout ${DECODE_TIMEOUT:-150} \
+      python3 -m jaxspec.bench decode --bs 1 --cache paged --json "$OUT/decode-qkv-fn$v-experiment.json" \
+      > "$OUT/decode-qkv-fn$v.log" 2>&1
+    echo "== JAXSPEC_QKV_KERNEL, JAXSPEC_FUSED_NORMS = $v"; grep "^step of\|Error" "$OUT/decode-qkv-fn$v.log" | head -3
+  done ;;
 s23-fused-rows)  # issue #14 (next): why the fused drafter kernels fall behind the jnp step from bs 8 up (session 22: bs 8
   # 1300-1319 against 1008-1132 µs). Both steps at bs 8, inputs on the device, each traced in its own process
   # (every kernel listed), so the kernels whose time grows with the rows are named

@@ -37,7 +37,7 @@ def no_compile_cache_in_the_test_process():
 # session-scoped fixture is built once per worker that runs a test needing it: twice when its tests land on both.
 # `--dist loadgroup` (the README's test command) keeps each such fixture's tests on one worker.
 SHARED_FIXTURES = {"plain_reference", "runs", "outcomes", "interrupts", "model_dir", "server", "tiny", "trained",
-                   "engine_drafts", "with_tokenizer", "sampling_oracle", "source"}
+                   "engine_drafts", "with_tokenizer", "sampling_oracle", "source", "tiny_real"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the marks into the tests' ids

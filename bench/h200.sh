@@ -707,9 +707,9 @@ s24-tiling)  # issue #14 (next): XLA's tiling propagation (bench graph: verify b
       --json "$OUT/verify-tiling-$t-experiment.json" > "$OUT/verify-tiling-$t.log" 2>&1
     echo "== tiling propagation $t"; grep "^step of\|Error" "$OUT/verify-tiling-$t.log" | head -3; done ;;
 s24-qkv)  # issue #14 (next): the q/k/v kernel (JAXSPEC_QKV_KERNEL=1: a non-shared layer's q/k/v norms, RoPE and K/V
-  # write in one launch; bench graph: verify bs 1 783 -> 732 launches, decode bs 1 983 -> 885). GPU lane (the kernel
-  # against its reference, compiled by Triton; the engine with it against transformers' greedy), then verify bs 1 with
-  # the switch 0, 1, 0 in three processes
+  # write in one launch, a KV-shared layer's q in another; bench graph: verify bs 1 783 -> 732 launches, decode bs 1
+  # 983 -> 867). GPU lane (the kernels against their references, compiled by Triton; the engine with them against
+  # transformers' greedy), then verify bs 1 with the switch 0, 1, 0 in three processes
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_qkv_cache.py tests/test_rounds.py \
     -k "qkv" > "$OUT/tests-qkv.txt" 2>&1
   grep -E "passed|failed" "$OUT/tests-qkv.txt" | tail -2
@@ -717,7 +717,7 @@ s24-qkv)  # issue #14 (next): the q/k/v kernel (JAXSPEC_QKV_KERNEL=1: a non-shar
       --json "$OUT/verify-qkv$v-experiment.json" > "$OUT/verify-qkv$v.log" 2>&1
     echo "== JAXSPEC_QKV_KERNEL=$v"; grep "^step of\|Error" "$OUT/verify-qkv$v.log" | head -3; done ;;
 s24-qkv-decode)  # issue #14 (next): decode bs 1 (paged) with (JAXSPEC_QKV_KERNEL, JAXSPEC_FUSED_NORMS) = (0, 0),
-  # (1, 1), (1, 0) in three processes (bench graph: 983, 675, 885 launches; (0, 1) 773 is s24-norms)
+  # (1, 1), (1, 0) in three processes (bench graph: 983, 657, 867 launches; (0, 1) 773 is s24-norms)
   for v in 00 11 10; do JAXSPEC_QKV_KERNEL=${v:0:1} JAXSPEC_FUSED_NORMS=${v:1:1} timeout ${DECODE_TIMEOUT:-150} \
       python3 -m jaxspec.bench decode --bs 1 --cache paged --json "$OUT/decode-qkv-fn$v-experiment.json" \
       > "$OUT/decode-qkv-fn$v.log" 2>&1

@@ -111,6 +111,37 @@ def test_qkv_cache_comparison_has_teeth(broken, monkeypatch):
         check(got, want, jnp.bfloat16, slots, 1)
 
 
+def run_q(fn, ops, qn_index=None):
+    out, qn, kn, cos, sin, ks, vs, slots = ops
+    q = out[..., : NH * D]  # a KV-shared layer's q projection
+    index = qn.index if qn_index is None else qn_index
+    return jax.jit(lambda q, cos, sin, stack: fn(q, Vec(stack, index), cos, sin, eps=EPS))(q, cos, sin, qn.stack)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_q_rope_matches_reference(dtype):
+    """A KV-shared layer's q: `q_rope` against `q_rope_ref` (gemma4.qkv's norm and rotation of a layer without K/V)."""
+    ops = operands(dtype, True)
+    got, want = (np.asarray(x, np.float32) for x in (run_q(qc.q_rope, ops), run_q(qc.q_rope_ref, ops)))
+    tol = dict(rtol=2**-7, atol=2**-7 * 2**-4 * 8) if dtype == jnp.bfloat16 else dict(rtol=2e-6, atol=2e-6 * 8)
+    np.testing.assert_allclose(got, want, **tol)
+    # and the same q as the q/k/v kernel's for the same heads and weights
+    np.testing.assert_array_equal(np.asarray(run(qc.qkv_cache, ops, 1, True, True)[0], np.float32), got)
+
+
+@pytest.mark.parametrize("broken", ["rope_sign", "norm_index"])
+def test_q_rope_comparison_has_teeth(broken):
+    ops = operands(jnp.bfloat16, True)
+    want = np.asarray(run_q(qc.q_rope_ref, ops), np.float32)
+    if broken == "rope_sign":
+        out, qn, kn, cos, sin, ks, vs, slots = ops
+        got = run_q(qc.q_rope, (out, qn, kn, cos, -sin, ks, vs, slots))
+    else:
+        got = run_q(qc.q_rope, ops, qn_index=(0,))
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-7, atol=2**-7 * 2**-4 * 8)
+
+
 def test_qkv_cache_falls_back_outside_its_shapes():
     """A head dim whose halves are not power-of-two vectors of >= 16 runs the reference."""
     out = jnp.zeros((1, 1, (NH + 2 * KVH) * 24), jnp.float32)
@@ -120,7 +151,7 @@ def test_qkv_cache_falls_back_outside_its_shapes():
 @pytest.mark.skipif(not CPU, reason="on GPU the tests above compile the real kernel")
 def test_qkv_cache_lowers_to_one_triton_call(monkeypatch):
     """E4B's sliding layer shapes (bf16, 8 q heads on 2 K/V heads of 256, 4 rows, a 20-layer stack) lower to one
-    Triton kernel, the stacks aliased (no copy of a stack)."""
+    Triton kernel, the stacks aliased (no copy of a stack); a shared full layer's q (8 heads of 512) to one too."""
     from jax._src.pallas.triton import pallas_call_registration
 
     fake_h200 = types.SimpleNamespace(get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90))
@@ -136,3 +167,7 @@ def test_qkv_cache_lowers_to_one_triton_call(monkeypatch):
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "output_operand_aliases" in text
     assert "stablehlo.slice" not in text and "dynamic_slice" not in text  # the norm rows read in place
+    text = jax.jit(lambda q, qn, c, s: qc.q_rope(q, Vec(qn, (2,)), c, s, eps=EPS, interpret=False)).trace(
+        spec((1, 4, 8 * 512), bf), spec((3, 512), jnp.float32), spec((1, 4, 512), jnp.float32),
+        spec((1, 4, 512), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.slice" not in text

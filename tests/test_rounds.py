@@ -351,17 +351,19 @@ def test_split_products_engine_equals_transformers_greedy(oracle, monkeypatch):
 
 def test_qkv_kernel_engine_equals_transformers_greedy(oracle, monkeypatch):
     """JAXSPEC_QKV_KERNEL=1 (off by default): a non-shared layer's q/k/v norms, RoPE and K/V write as one kernel
-    (`qkv_cache.qkv_cache`, interpreted here) in prefill chunks and verify steps; at R 2 with overlap the engine gives
-    transformers' greedy continuations. (Its comparison with the reference: tests/test_qkv_cache.py.)"""
+    (`qkv_cache.qkv_cache`), a KV-shared layer's q norm and RoPE as one (`q_rope`), interpreted here, in prefill chunks
+    and verify steps; at R 2 with overlap the engine gives transformers' greedy continuations. (Their comparisons with
+    the references: tests/test_qkv_cache.py.)"""
     from jaxspec.pallas import qkv_cache
 
     monkeypatch.setenv("JAXSPEC_QKV_KERNEL", "1")
     rows = []
     monkeypatch.setattr(qkv_cache, "pallas_call", lambda *a, real=qkv_cache.pallas_call, **kw: rows.append(
-        kw["grid"][0]) or real(*a, **kw))
+        (kw["name"], kw["grid"][0])) or real(*a, **kw))
     got, want = kernels_greedy(oracle)
     assert got == want
-    assert len(set(rows)) > 1  # traced at more than one row count: prefill chunks and verify steps
+    for name in ("qkv_cache", "q_rope"):  # the oracle's KV-shared layers run q_rope
+        assert len({m for n, m in rows if n == name}) > 1, rows  # traced in prefill chunks and verify steps
 
 
 @pytest.mark.parametrize("rounds", [1, 2])

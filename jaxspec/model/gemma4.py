@@ -216,6 +216,8 @@ def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, p
     if into_cache is not None and "qkv_proj" in w:
         q, cache = into_cache(cache, i, product(h, w.vec("qkv_proj")), w.vec("q_norm"), w.vec("k_norm"), positions)
         k = v = None  # written
+    elif into_cache is not None and "q_proj" in w and "k_proj" not in w:  # a KV-shared layer: q's norm and RoPE
+        q, k, v = attend.q_rope(i, product(h, w.vec("q_proj")), w.vec("q_norm"), positions), None, None
     else:
         q, k, v = qkv(w, cfg, i, h, positions, product)
     a, cache = attend(cache, i, q, k, v)

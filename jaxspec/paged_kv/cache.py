@@ -19,7 +19,7 @@ from jaxspec.config import FULL, TargetConfig, env_switch
 from jaxspec.model.layers import acc_dtype, rope_tables
 from jaxspec.paged_kv.metadata import CacheSpec, StepMetadata
 from jaxspec.paged_kv.pool import PagePool
-from jaxspec.pallas.qkv_cache import qkv_cache
+from jaxspec.pallas.qkv_cache import q_rope, qkv_cache
 from jaxspec.pallas.row_norms import Vec
 from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_ref,
                                             paged_attention_rows, query_rows, row_ranges, sem_size)
@@ -183,7 +183,13 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
                                 eps=cfg.rms_norm_eps)
             return q, {**kv, t: LayerKV(k=k, v=v)}
 
-        attend.qkv_into_cache = qkv_into_cache
+        def q_only(i, q, q_norm: Vec, positions):
+            """A KV-shared layer's q projection [B, T, NH D] -> q normed and rotated: `q_rope`, one kernel."""
+            rope = cfg.rope(cfg.layer_types[i])
+            cos, sin = rope_tables(positions, rope, cfg.layer_head_dim(i), acc_dtype(q.dtype))
+            return q_rope(q, q_norm, cos, sin, eps=cfg.rms_norm_eps)
+
+        attend.qkv_into_cache, attend.q_rope = qkv_into_cache, q_only
     return attend
 
 

@@ -8,7 +8,8 @@ each for K and V with k's RoPE inside (`python -m jaxspec.bench graph`, BENCHMAR
 per token row does all of it: the row's heads loaded once, each head as its two RoPE halves (pairs i and i + D/2), so
 the rotation needs no permuted copy; q stored for the attention kernel; K and V stored in place into the layer's
 stack (the stacks are aliased to the outputs, as the scatter updated them in place), a padding row (slot 0) storing
-nothing, as the scatter drops it. Values are rounded to the activations' dtype where the reference rounds them (the
+nothing, as the scatter drops it. A KV-shared layer's q alone (norm and RoPE, two kernels of XLA's) is `q_rope`, the
+same program without K and V. Values are rounded to the activations' dtype where the reference rounds them (the
 norm's output, the rotation's); the norm sums a head's squares in another order than `jnp.mean`, so a head's scale
 can differ in its last fp32 bit and a value rounded after it by one ulp of the dtype. A row never reads another row.
 """
@@ -69,51 +70,74 @@ def qkv_cache_ref(out, q_norm: Vec, k_norm: Vec, cos, sin, k_stack, v_stack, lay
     return qk[:, :, :num_heads], put(k_stack, k), put(v_stack, v)
 
 
+def _rounding(dtype):
+    return lambda v: v.astype(dtype).astype(jnp.float32)  # where the reference materialises a value
+
+
+def _norm(a, b, w, *, D: int, eps: float, dtype):
+    """A head's halves normed (rsqrt of the mean square over both), times w's halves (None: weightless), rounded."""
+    r = lax.rsqrt((jnp.sum(a * a) + jnp.sum(b * b)) / D + eps)
+    a, b = a * r, b * r
+    if w is not None:
+        a, b = a * w[0], b * w[1]
+    rnd = _rounding(dtype)
+    return rnd(a), rnd(b)
+
+
+def _rope(a, b, cos, sin, dtype):
+    """rotate-half on a head's halves: (a, b) -> (a cos - b sin, b cos + a sin), rounded to dtype."""
+    return (a * cos[0] - b * sin[0]).astype(dtype), (b * cos[1] + a * sin[1]).astype(dtype)
+
+
+def _row(out_ref, qn_ref, cos_ref, sin_ref, q_ref, m, heads: int, qn_index: tuple):
+    """Program m's loads, every one issued before any result is needed: the row's `heads` heads as halves (fp32), q's
+    norm weight, the row's cos and sin; and the halves' slices."""
+    half = q_ref.shape[-1] // 2
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    f32 = jnp.float32
+    cos = (cos_ref[m, lo], cos_ref[m, hi])
+    sin = (sin_ref[m, lo], sin_ref[m, hi])
+    rows = [(out_ref[m, j, lo].astype(f32), out_ref[m, j, hi].astype(f32)) for j in range(heads)]
+    qn = (qn_ref[(*qn_index, lo)].astype(f32), qn_ref[(*qn_index, hi)].astype(f32))
+    return rows, qn, cos, sin, lo, hi
+
+
+def _store_q(q_ref, m, rows, qn, cos, sin, lo, hi, *, num_heads: int, eps: float):
+    D, dtype = q_ref.shape[-1], q_ref.dtype
+    for j in range(num_heads):
+        a, b = _rope(*_norm(*rows[j], qn, D=D, eps=eps, dtype=dtype), cos, sin, dtype)
+        q_ref[m, j, lo] = a
+        q_ref[m, j, hi] = b
+
+
 def _kernel(out_ref, qn_ref, kn_ref, cos_ref, sin_ref, slot_ref, _k_in, _v_in, q_ref, k_ref, v_ref, *,
             num_heads: int, kv_heads: int, has_v: bool, v_norm: bool, eps: float, layer: int, qn_index: tuple,
             kn_index: tuple):
     m = pl.program_id(0)
-    D = k_ref.shape[-1]
-    half = D // 2
-    lo, hi = pl.ds(0, half), pl.ds(half, half)
-    dtype = q_ref.dtype
-    f32 = jnp.float32
-    rnd = lambda v: v.astype(dtype).astype(f32)  # noqa: E731  (where the reference materialises a value)
-    cos = (cos_ref[m, lo], cos_ref[m, hi])
-    sin = (sin_ref[m, lo], sin_ref[m, hi])
-    # every load issued before any result is needed: the row's heads, as halves
-    heads = [(out_ref[m, j, lo].astype(f32), out_ref[m, j, hi].astype(f32))
-             for j in range(num_heads + kv_heads * (2 if has_v else 1))]
-    qn = (qn_ref[(*qn_index, lo)].astype(f32), qn_ref[(*qn_index, hi)].astype(f32))
-    kn = (kn_ref[(*kn_index, lo)].astype(f32), kn_ref[(*kn_index, hi)].astype(f32))
-
-    def norm(a, b, w=None):
-        r = lax.rsqrt((jnp.sum(a * a) + jnp.sum(b * b)) / D + eps)
-        a, b = a * r, b * r
-        if w is not None:
-            a, b = a * w[0], b * w[1]
-        return rnd(a), rnd(b)
-
-    def rope(a, b):  # rotate-half: (a, b) -> (a cos - b sin, b cos + a sin)
-        return (a * cos[0] - b * sin[0]).astype(dtype), (b * cos[1] + a * sin[1]).astype(dtype)
-
-    for j in range(num_heads):
-        a, b = rope(*norm(*heads[j], qn))
-        q_ref[m, j, lo] = a
-        q_ref[m, j, hi] = b
+    D, dtype = q_ref.shape[-1], q_ref.dtype
+    rows, qn, cos, sin, lo, hi = _row(out_ref, qn_ref, cos_ref, sin_ref, q_ref, m,
+                                      num_heads + kv_heads * (2 if has_v else 1), qn_index)
+    kn = (kn_ref[(*kn_index, lo)].astype(jnp.float32), kn_ref[(*kn_index, hi)].astype(jnp.float32))
+    _store_q(q_ref, m, rows, qn, cos, sin, lo, hi, num_heads=num_heads, eps=eps)
     slot = slot_ref[m]
 
     @pl.when(slot != 0)  # a padding row writes nothing (the scatter drops it)
     def _():
         for h in range(kv_heads):
-            a, b = rope(*norm(*heads[num_heads + h], kn))
+            a, b = _rope(*_norm(*rows[num_heads + h], kn, D=D, eps=eps, dtype=dtype), cos, sin, dtype)
             k_ref[layer, slot, h, lo] = a
             k_ref[layer, slot, h, hi] = b
-            va, vb = heads[num_heads + kv_heads + h] if has_v else heads[num_heads + h]
+            va, vb = rows[num_heads + kv_heads + h] if has_v else rows[num_heads + h]
             if v_norm:
-                va, vb = norm(va, vb)
+                va, vb = _norm(va, vb, None, D=D, eps=eps, dtype=dtype)
             v_ref[layer, slot, h, lo] = va.astype(dtype)
             v_ref[layer, slot, h, hi] = vb.astype(dtype)
+
+
+def _q_kernel(out_ref, qn_ref, cos_ref, sin_ref, q_ref, *, num_heads: int, eps: float, qn_index: tuple):
+    m = pl.program_id(0)
+    rows, qn, cos, sin, lo, hi = _row(out_ref, qn_ref, cos_ref, sin_ref, q_ref, m, num_heads, qn_index)
+    _store_q(q_ref, m, rows, qn, cos, sin, lo, hi, num_heads=num_heads, eps=eps)
 
 
 def supported(out, k_stack) -> bool:
@@ -151,3 +175,33 @@ def qkv_cache(out, q_norm: Vec, k_norm: Vec, cos, sin, k_stack, v_stack, layer: 
         interpret=_interpret(interpret), name="qkv_cache",
     )(*operands)
     return q.reshape(B, T, num_heads, D), k_stack, v_stack
+
+
+def q_rope_ref(q, q_norm: Vec, cos, sin, *, eps: float):
+    """A KV-shared layer's q projection [B, T, NH D] -> [B, T, NH, D]: each head normed (q_norm) and rotated, as
+    `gemma4.qkv` does it for a layer without K and V."""
+    B, T, _ = q.shape
+    D = cos.shape[-1]
+    return rotate(rms_norm(q.reshape(B, T, -1, D), q_norm.get(), eps), cos[:, :, None, :], sin[:, :, None, :])
+
+
+def q_rope(q, q_norm: Vec, cos, sin, *, eps: float, interpret: bool | None = None):
+    """`q_rope_ref` in one kernel launch (one program per token row) where the head dim's halves are power-of-two
+    vectors of >= 16; the reference otherwise (XLA runs it as two kernels: the norm and the rotation)."""
+    B, T, _ = q.shape
+    D = cos.shape[-1]
+    half = D // 2
+    if D % 2 or half < 16 or half & (half - 1):
+        return q_rope_ref(q, q_norm, cos, sin, eps=eps)
+    M, NH = B * T, q.shape[-1] // D
+    operands = [q.reshape(M, NH, D), q_norm.stack, cos.reshape(M, D).astype(jnp.float32),
+                sin.reshape(M, D).astype(jnp.float32)]
+    whole = lambda x: pl.BlockSpec(x.shape, lambda m: (0,) * x.ndim)  # noqa: E731
+    q_shape = jax.ShapeDtypeStruct((M, NH, D), q.dtype)
+    out = pallas_call(
+        functools.partial(_q_kernel, num_heads=NH, eps=float(eps), qn_index=tuple(q_norm.index)),
+        grid=(M,), in_specs=[whole(x) for x in operands], out_specs=whole(q_shape), out_shape=q_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=_interpret(interpret),
+        name="q_rope",
+    )(*operands)
+    return out.reshape(B, T, NH, D)

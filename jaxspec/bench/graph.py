@@ -171,6 +171,11 @@ def target_device():
     return topology.devices[0], True
 
 
+def placed(tree, sharding):
+    """ShapeDtypeStructs of a pytree of shapes, each with `sharding` (None: jax places them by default)."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
+
+
 def abstract_state(cfg: TargetConfig, acfg: AssistantConfig, batch: int, ctx: int, page_size: int = 16,
                    sharding=None):
     """Shapes of what the programs read, at `batch` requests of up to `ctx` positions: (cache spec, target params,
@@ -190,8 +195,7 @@ def abstract_state(cfg: TargetConfig, acfg: AssistantConfig, batch: int, ctx: in
             kv[t] = LayerKV(k=jax.ShapeDtypeStruct(shape, DTYPE), v=jax.ShapeDtypeStruct(shape, DTYPE))
     pages = PageTables(page_table=jax.ShapeDtypeStruct((batch, spec.max_pages_per_request), jnp.int32),
                        swa_of_full=jax.ShapeDtypeStruct((spec.num_full_pages,), jnp.int32))
-    place = functools.partial(jax.tree.map, lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding))
-    return spec, place(target), place(assistant), place(kv), place(pages)
+    return spec, *(placed(tree, sharding) for tree in (target, assistant, kv, pages))
 
 
 def compiled_text(program: str, preset: str, bs: int, ctx: int, k: int, page_size: int, device,
@@ -211,13 +215,12 @@ def compiled_text(program: str, preset: str, bs: int, ctx: int, k: int, page_siz
         drafter.cache = types.SimpleNamespace(kv=kv, spec=spec, swa_of_full=pages.swa_of_full)
         drafter.compile()  # what attach() compiles, against the abstract cache
         return drafter.executables[bs].as_text()
-    place = functools.partial(jax.tree.map, lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding))
-    params = place(jax.eval_shape(gemma4.stored_params, target))  # as the engine keeps them
+    params = placed(jax.eval_shape(gemma4.stored_params, target), sharding)  # as the engine keeps them
     vec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)  # noqa: E731
     if program == "round":
         programs = Programs(cfg=cfg, acfg=acfg, spec=spec, k=k, draft_mode="bucketed", use_kernels=True,
                             eos=tuple(cfg.eos_token_ids))
-        state = place(jax.eval_shape(lambda: DecodeState.empty(bs + 1, cfg.hidden_size, DTYPE)))
+        state = placed(jax.eval_shape(lambda: DecodeState.empty(bs + 1, cfg.hidden_size, DTYPE)), sharding)
         lowered = lower_ahead(programs.decode_rounds(rounds, False), Weights(target=params, assistant=assistant),
                               kv, state, vec(bs), pages, donate_argnames=("kv", "state"),
                               compiler_options=DRAFT_COMPILER_OPTIONS, precision=matmul_precision(DTYPE))

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 from jaxspec.config import SLIDING, ConfigError, TargetConfig, env_switch
 from jaxspec.model.attention import attention
-from jaxspec.model.layers import (acc_dtype, apply_rope, gated_mlp, gelu_tanh, linear, mlp_activation, moe, rms_norm,
-                                  softcap, split_linear, split_weight, sqrt_scale)
+from jaxspec.model.layers import (acc_dtype, apply_rope, gated_mlp, gelu_tanh, joint_heads, linear, mlp_activation, moe,
+                                  rms_norm, rope_tables, softcap, split_linear, split_weight, sqrt_scale)
 from jaxspec.paged_kv.cache import LayerKV, paged_attend
 from jaxspec.paged_kv.metadata import StepMetadata
 from jaxspec.pallas import gemv, row_norms
@@ -186,23 +186,10 @@ def joint_qkv(w, cfg: TargetConfig, i: int, out, positions):
     reduction and one elementwise pass a layer to fuse instead of one of each per q, k and v (E4B's verify step: four
     to six kernels a layer, ~209 µs a step; BENCHMARKS.md session 16; session 17 measured 44 launches and 77 µs of
     kernels fewer a step, the wall time a tie)."""
-    B, T, _ = out.shape
-    eps, d, NH = cfg.rms_norm_eps, cfg.layer_head_dim(i), cfg.num_heads
-    heads = out.reshape(B, T, -1, d)
-    has_v = cfg.has_v_proj(i)
-    KVH = (heads.shape[2] - NH) // (2 if has_v else 1)
-    acc = acc_dtype(out.dtype)
-    weights = [jnp.broadcast_to(w["q_norm"].astype(acc), (NH, d)), jnp.broadcast_to(w["k_norm"].astype(acc), (KVH, d))]
-    if has_v and cfg.use_v_norm:
-        weights.append(jnp.ones((KVH, d), acc))
-    normed = rms_norm(heads[:, :, : NH + KVH * len(weights[1:])], jnp.concatenate(weights), eps)
-    qk = apply_rope(normed[:, :, : NH + KVH], positions, cfg.rope(cfg.layer_types[i]))
-    if has_v:
-        v = normed[:, :, NH + KVH:] if cfg.use_v_norm else heads[:, :, NH + KVH:]
-    else:  # k_eq_v: V is the raw K projection
-        v = heads[:, :, NH:]
-        v = rms_norm(v, None, eps) if cfg.use_v_norm else v
-    return qk[:, :, :NH], qk[:, :, NH:], v
+    d = cfg.layer_head_dim(i)
+    cos, sin = rope_tables(positions, cfg.rope(cfg.layer_types[i]), d, acc_dtype(out.dtype))
+    return joint_heads(out, w["q_norm"], w["k_norm"], cos, sin, num_heads=cfg.num_heads, head_dim=d,
+                       has_v=cfg.has_v_proj(i), v_norm=cfg.use_v_norm, eps=cfg.rms_norm_eps)
 
 
 def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, ple_i, attend: Attend, cache, *,

@@ -52,6 +52,31 @@ def rotate(x, cos, sin):
     return (xf * cos + rot * sin).astype(x.dtype)
 
 
+def joint_heads(out, q_norm, k_norm, cos, sin, *, num_heads: int, head_dim: int, has_v: bool, v_norm: bool,
+                eps: float):
+    """A fused q/k/v product out [B, T, (NH + KVH (+ KVH)) D] -> (q, k, v) [B, T, heads, D]: q's and k's heads (and
+    v's, with the weightless v-norm) normed as one array, each head with its own weight (q_norm, k_norm: [D], or 1:
+    exact), then q's and k's heads rotated at once by cos, sin [B, T, D] (`rope_tables`). Without has_v, V is the raw
+    K projection (normed where v_norm)."""
+    B, T, _ = out.shape
+    heads = out.reshape(B, T, -1, head_dim)
+    NH = num_heads
+    KVH = (heads.shape[2] - NH) // (2 if has_v else 1)
+    acc = acc_dtype(out.dtype)
+    weights = [jnp.broadcast_to(q_norm.astype(acc), (NH, head_dim)),
+               jnp.broadcast_to(k_norm.astype(acc), (KVH, head_dim))]
+    if has_v and v_norm:
+        weights.append(jnp.ones((KVH, head_dim), acc))
+    normed = rms_norm(heads[:, :, : NH + KVH * len(weights[1:])], jnp.concatenate(weights), eps)
+    qk = rotate(normed[:, :, : NH + KVH], cos[:, :, None, :], sin[:, :, None, :])
+    if has_v:
+        v = normed[:, :, NH + KVH:] if v_norm else heads[:, :, NH + KVH:]
+    else:  # k_eq_v: V is the raw K projection
+        v = heads[:, :, NH:]
+        v = rms_norm(v, None, eps) if v_norm else v
+    return qk[:, :, :NH], qk[:, :, NH:], v
+
+
 def gelu_tanh(x):
     return jax.nn.gelu(x, approximate=True)
 

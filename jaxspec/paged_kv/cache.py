@@ -19,7 +19,7 @@ from jaxspec.config import FULL, TargetConfig, env_switch
 from jaxspec.model.layers import acc_dtype, rope_tables
 from jaxspec.paged_kv.metadata import CacheSpec, StepMetadata
 from jaxspec.paged_kv.pool import PagePool
-from jaxspec.pallas.qkv_cache import q_rope, qkv_cache
+from jaxspec.pallas.qkv_cache import q_rope, qkv_cache, write_rows
 from jaxspec.pallas.row_norms import Vec
 from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_ref,
                                             paged_attention_rows, query_rows, row_ranges, sem_size)
@@ -107,10 +107,6 @@ def _attention_fn(use_kernels: bool, num_queries: int):
     return paged_attention if use_kernels else paged_attention_ref
 
 
-def _scatter(layer, slots, stack, rows):
-    return stack.at[layer, slots].set(rows, mode="drop", unique_indices=True)
-
-
 def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_heads: int, layer: int, *,
                fixed_splits: bool = False, sems: dict | None = None, **kw):
     """`_attention_fn`'s choice called as attn(q, k, v, read, kv_start, q_lo, q_hi); on a mesh the kernel runs per
@@ -156,16 +152,9 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
     def attend(kv, i, q, k, v):
         t, layer = cfg.kv_slot(i)
         m = meta.layers[t]
-        if k is not None:
-            B, T = m.write.shape
+        if k is not None:  # padding positions dropped (`write_rows`)
             stack = kv[t]
-            # Padding positions (slot 0, the dummy page) are dropped, not written: every index left is unique, so the
-            # scatter needs no atomics. Written to slot 0, a 256-position prefill chunk's padding serialised on one
-            # address: 15-20 ms a layer for a bucket-8 chunk on the H200 (BENCHMARKS.md session 9).
-            slots = jnp.where(m.write == 0, stack.k.shape[1], m.write).reshape(-1)
-            put = functools.partial(_scatter, layer, slots)
-            kv = {**kv, t: LayerKV(k=put(stack.k, k.reshape(B * T, *k.shape[2:])),
-                                   v=put(stack.v, v.reshape(B * T, *v.shape[2:])))}
+            kv = {**kv, t: LayerKV(k=write_rows(stack.k, layer, m.write, k), v=write_rows(stack.v, layer, m.write, v))}
         attn = _attend_fn(use_kernels, q.shape[1], mesh, q.shape[2], kv[t].k.shape[2], layer, scale=cfg.query_scale,
                           fixed_splits=meta.invariant, sems=sems)
         return attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi), kv

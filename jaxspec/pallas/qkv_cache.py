@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxspec.model.layers import acc_dtype, rms_norm, rotate
+from jaxspec.model.layers import joint_heads, rms_norm, rotate
 from jaxspec.pallas.draft_layer import _interpret
 from jaxspec.pallas.row_norms import Vec
 
@@ -41,33 +41,26 @@ def split_heads(out, num_heads: int, head_dim: int, has_v: bool):
     return heads, (heads.shape[2] - num_heads) // (2 if has_v else 1)
 
 
+def write_rows(stack, layer: int, slots, rows):
+    """stack [L, S, KVH, D] with rows [B, T, KVH, D] written at stack[layer, slots] (slots int32 [B, T]). Padding
+    positions (slot 0, the dummy page) are dropped, not written: every index left is unique, so the scatter needs no
+    atomics. Written to slot 0, a 256-position prefill chunk's padding serialised on one address: 15-20 ms a layer for
+    a bucket-8 chunk on the H200 (BENCHMARKS.md session 9)."""
+    B, T = slots.shape
+    index = jnp.where(slots == 0, stack.shape[1], slots).reshape(-1)
+    return stack.at[layer, index].set(rows.reshape(B * T, *rows.shape[2:]), mode="drop", unique_indices=True)
+
+
 def qkv_cache_ref(out, q_norm: Vec, k_norm: Vec, cos, sin, k_stack, v_stack, layer: int, slots, *, num_heads: int,
                   has_v: bool, v_norm: bool, eps: float):
     """out: the product [B, T, (NH + KVH (+ KVH)) D]; q_norm, k_norm: fp32 [D] vectors (`Vec`: a row of a stack,
-    read in place by the kernel); cos, sin: fp32 [B, T, D]
-    (`layers.rope_tables`); k_stack, v_stack: [L, S, KVH, D]; slots: int32 [B, T] (0: padding, not written).
-    Returns (q [B, T, NH, D] normed and rotated, k_stack, v_stack with the rows' K (normed, rotated) and V (normed
-    where v_norm; the raw K projection where not has_v) written at layer `layer`)."""
-    D = k_stack.shape[-1]
-    heads, KVH = split_heads(out, num_heads, D, has_v)
-    acc = acc_dtype(out.dtype)
-    weights = [jnp.broadcast_to(q_norm.get().astype(acc), (num_heads, D)),
-               jnp.broadcast_to(k_norm.get().astype(acc), (KVH, D))]
-    if has_v and v_norm:
-        weights.append(jnp.ones((KVH, D), acc))
-    normed = rms_norm(heads[:, :, : num_heads + KVH * len(weights[1:])], jnp.concatenate(weights), eps)
-    qk = rotate(normed[:, :, : num_heads + KVH], cos[:, :, None, :], sin[:, :, None, :])
-    if has_v:
-        v = normed[:, :, num_heads + KVH:] if v_norm else heads[:, :, num_heads + KVH:]
-    else:  # k_eq_v: V is the raw K projection
-        v = heads[:, :, num_heads:]
-        v = rms_norm(v, None, eps) if v_norm else v
-    k = qk[:, :, num_heads:]
-    B, T = slots.shape
-    rows = jnp.where(slots == 0, k_stack.shape[1], slots).reshape(-1)  # padding dropped
-    put = lambda stack, x: stack.at[layer, rows].set(x.reshape(B * T, KVH, D), mode="drop",  # noqa: E731
-                                                     unique_indices=True)
-    return qk[:, :, :num_heads], put(k_stack, k), put(v_stack, v)
+    read in place by the kernel); cos, sin: fp32 [B, T, D] (`layers.rope_tables`); k_stack, v_stack: [L, S, KVH, D];
+    slots: int32 [B, T] (0: padding, not written). Returns (q [B, T, NH, D] normed and rotated, k_stack, v_stack with
+    the rows' K (normed, rotated) and V (normed where v_norm; the raw K projection where not has_v) written at layer
+    `layer`): `layers.joint_heads`, then `write_rows`, as the step ran them before."""
+    q, k, v = joint_heads(out, q_norm.get(), k_norm.get(), cos, sin, num_heads=num_heads, head_dim=k_stack.shape[-1],
+                          has_v=has_v, v_norm=v_norm, eps=eps)
+    return q, write_rows(k_stack, layer, slots, k), write_rows(v_stack, layer, slots, v)
 
 
 def _rounding(dtype):

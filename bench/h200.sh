@@ -706,6 +706,22 @@ s24-tiling)  # issue #14 (next): XLA's tiling propagation (bench graph: verify b
     XLA_FLAGS="$f" timeout ${VERIFY_TIMEOUT:-150} python3 -m jaxspec.bench verify --bs 1 \
       --json "$OUT/verify-tiling-$t-experiment.json" > "$OUT/verify-tiling-$t.log" 2>&1
     echo "== tiling propagation $t"; grep "^step of\|Error" "$OUT/verify-tiling-$t.log" | head -3; done ;;
+s25-layer-products)  # issue #14 (next): a layer's products with the norms before them and the activations after them
+  # (JAXSPEC_LAYER_PRODUCTS=1, jaxspec/pallas/layer_products.py; bench graph: verify bs 1 783 -> 491 launches, decode
+  # 983 -> 516; with JAXSPEC_QKV_KERNEL=1 JAXSPEC_FUSED_NORMS=1 too: 399 and 398). GPU lane (the kernel against its
+  # reference, compiled by Triton; the engine with it against transformers' greedy, all sites and all but q/k/v), then
+  # verify bs 1 and decode bs 1 with the switch 0, 1, 0 (LP_SITES: JAXSPEC_LAYER_PRODUCT_SITES of the 1 runs, default
+  # all; LP_WITH="JAXSPEC_QKV_KERNEL=1 JAXSPEC_FUSED_NORMS=1" to run them with the other kernels too)
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_layer_products.py \
+    tests/test_rounds.py -k "stream_product or rows_do or fp32_products or layer_products" \
+    > "$OUT/tests-layer-products.txt" 2>&1
+  grep -E "passed|failed" "$OUT/tests-layer-products.txt" | tail -2
+  for v in 0 1 0; do for step in verify decode; do
+    env JAXSPEC_LAYER_PRODUCTS=$v ${LP_SITES:+JAXSPEC_LAYER_PRODUCT_SITES=$LP_SITES} $LP_WITH \
+      timeout ${STEP_TIMEOUT:-150} python3 -m jaxspec.bench $step --bs 1 $([ $step = decode ] && echo --cache paged) \
+      --json "$OUT/$step-lp$v-experiment.json" > "$OUT/$step-lp$v.log" 2>&1
+    echo "== $step JAXSPEC_LAYER_PRODUCTS=$v"; grep "^step of\|Error" "$OUT/$step-lp$v.log" | head -3
+  done; done ;;
 s24-qkv)  # issue #14 (next): the q/k/v kernel (JAXSPEC_QKV_KERNEL=1: a non-shared layer's q/k/v norms, RoPE and K/V
   # write in one launch, a KV-shared layer's q in another; bench graph: verify bs 1 783 -> 732 launches, decode bs 1
   # 983 -> 867). GPU lane (the kernels against their references, compiled by Triton; the engine with them against

@@ -366,6 +366,35 @@ def test_qkv_kernel_engine_equals_transformers_greedy(oracle, monkeypatch):
         assert len({m for n, m in rows if n == name}) > 1, rows  # traced in prefill chunks and verify steps
 
 
+@pytest.mark.parametrize("sites", [None, "o,mlp,down,ple"], ids=["all", "no-qkv"])
+def test_layer_products_engine_equals_transformers_greedy(oracle, monkeypatch, sites):
+    """JAXSPEC_LAYER_PRODUCTS=1 (off by default): a layer's products with the norms before them and the activations
+    after them (`layer_products.stream_product`), interpreted here, in verify steps and the drafter's jnp step (bucket
+    4: 4 rows); at R 2 with overlap the engine gives transformers' greedy continuations. All five sites (the q/k/v
+    product taking the previous layer's end, o, gate/up with the activation, down, the PLE gate), and all but the
+    q/k/v product (each layer's end then the norms' own op). (The kernel against its reference:
+    tests/test_layer_products.py.)"""
+    from jaxspec.pallas import layer_products
+
+    monkeypatch.setenv("JAXSPEC_LAYER_PRODUCTS", "1")
+    if sites is None:
+        monkeypatch.delenv("JAXSPEC_LAYER_PRODUCT_SITES", raising=False)
+    else:
+        monkeypatch.setenv("JAXSPEC_LAYER_PRODUCT_SITES", sites)
+    ran = set()
+
+    def spy(kernel, *a, real=layer_products.pallas_call, **kw):
+        k = kernel.keywords
+        ran.add(k["epilogue"] or ("residual" if k["residual"] else "normed" if k["normed"] else "plain"))
+        return real(kernel, *a, **kw)
+
+    monkeypatch.setattr(layer_products, "pallas_call", spy)
+    got, want = kernels_greedy(oracle)
+    assert got == want
+    # q/k/v after the first layer ("residual"), the first layer's ("normed"), o and down ("plain"), gate/up, PLE gate
+    assert ran == ({"residual", "normed"} if sites is None else set()) | {"plain", "gelu_pair", "gelu_mul"}, ran
+
+
 @pytest.mark.parametrize("rounds", [1, 2])
 def test_pinned_output_engine_equals_transformers_greedy(oracle, monkeypatch, rounds):
     """JAXSPEC_PIN_OUTPUT=1 (off by default): the decode call's output is made at the program's start, behind an

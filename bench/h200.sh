@@ -706,6 +706,12 @@ s24-tiling)  # issue #14 (next): XLA's tiling propagation (bench graph: verify b
     XLA_FLAGS="$f" timeout ${VERIFY_TIMEOUT:-150} python3 -m jaxspec.bench verify --bs 1 \
       --json "$OUT/verify-tiling-$t-experiment.json" > "$OUT/verify-tiling-$t.log" 2>&1
     echo "== tiling propagation $t"; grep "^step of\|Error" "$OUT/verify-tiling-$t.log" | head -3; done ;;
+s25-diag-lp)  # issue #14 (next): the layer products kernel site by site against XLA's ops at E4B's shapes, both forms
+  # and a few cuts (bench/diag_layer_products.py: chains of 8 layers, 4 and 1 rows, wall and profiled kernels a layer);
+  # run before s25-layer-products to pick Config's default
+  timeout ${DIAG_TIMEOUT:-500} python3 bench/diag_layer_products.py --profile ${LP_CUTS:+--cuts $LP_CUTS} \
+    --json "$OUT/diag-layer-products-experiment.json" > "$OUT/diag-layer-products.log" 2>&1
+  tail -40 "$OUT/diag-layer-products.log" ;;
 s25-layer-products)  # issue #14 (next): a layer's products with the norms before them and the activations after them
   # (JAXSPEC_LAYER_PRODUCTS=1, jaxspec/pallas/layer_products.py; bench graph: verify bs 1 783 -> 491 launches, decode
   # 983 -> 516; with JAXSPEC_QKV_KERNEL=1 JAXSPEC_FUSED_NORMS=1 too: 399 and 398). GPU lane (the kernel against its

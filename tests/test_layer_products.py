@@ -129,21 +129,18 @@ def test_rows_do_not_depend_on_the_others(form):
                     np.testing.assert_array_equal(a, t, err_msg=site)
 
 
-def test_falls_back_outside_its_shapes():
+def test_falls_back_outside_its_shapes(monkeypatch):
     """Rows not a power of two, more than MAX_ROWS (prefill chunks) and fp64 (the oracle tests) run the reference."""
     for rows, dtype in [(3, jnp.float32), (layer_products.MAX_ROWS * 2, jnp.float32), (4, jnp.float64)]:
         x = jax.ShapeDtypeStruct((1, rows, 64), dtype)
         w = Vec(jax.ShapeDtypeStruct((L, 32, 64), dtype), (1,))
         assert not layer_products.supported(x, w)
     calls = []
+    monkeypatch.setattr(layer_products, "pallas_call", lambda *a, real=layer_products.pallas_call, **kw:
+                        calls.append(kw) or real(*a, **kw))
     ops = operands(jnp.float32, 3, 64, 32)
-    real = layer_products.pallas_call
-    layer_products.pallas_call = lambda *a, **kw: calls.append(kw) or real(*a, **kw)
-    try:
-        for g, w in zip(run("qkv", ops), run("qkv", ops, kernel=False)):
-            np.testing.assert_array_equal(g, w)  # the very same function
-    finally:
-        layer_products.pallas_call = real
+    for g, w in zip(run("qkv", ops), run("qkv", ops, kernel=False)):
+        np.testing.assert_array_equal(g, w)  # the very same function
     assert not calls
 
 

@@ -7,12 +7,12 @@ gelu · up), the PLE gate (the post-MLP residual, gelu · input). A jitted chain
 each streams from HBM), runs the site; the next layer's inputs are the last one's outputs (the stream x' and the
 product folded into y through a tiny reduction, the same in every variant). Variants: "xla" (the ops as
 `decoder_layer` runs them without the kernel: `add_norm_ref`, `linear`, `mlp_activation`, gelu · input) and the
-kernel's cuts FORM:BN:BK (`layer_products.Config`). Reported a layer: wall µs (median of the chain / L), with
+kernel's cuts FORM:BN:BK[:WARPS[:STAGES]] (`layer_products.Config`). Reported a layer: wall µs (median of the chain / L), with
 --profile the device kernels' µs and their count, and the largest difference from the xla variant in units of its
 magnitude.
 
     python bench/diag_layer_products.py --sites qkv,o,mlp,down,ple --rows 4,1 \
-        --cuts xla,dot:64:256,dot:16:256,bsum:64:256,bsum:8:256 --profile --json OUT.json
+        --cuts xla,dot:64:256,dot:16:256,dot:16:512:4:4,dot:32:256:8:3,bsum:64:256,bsum:8:256 --profile --json OUT.json
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def site_call(site: str, cut: str):
                 return mlp_activation(h, w), xn
             xn, _ = add_norm_ref(y, x, Vec(norms, (3,)), None, None, EPS)
             return gelu_tanh(linear(xn, w)) * mul[0], xn
-        form, bn, bk = cut.split(":")
-        config = layer_products.Config(form=form, bn=int(bn), bk=int(bk))
+        form, *sizes = cut.split(":")
+        config = layer_products.Config(form, *map(int, sizes))  # FORM:BN:BK[:WARPS[:STAGES]]
         W = Vec(w[None], (0,))
         if site in ("o", "down"):
             out, _ = stream_product(x, None, W, eps=EPS, config=config)
@@ -87,8 +87,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sites", default="qkv,o,mlp,down,ple")
     ap.add_argument("--rows", default="4,1")
-    ap.add_argument("--cuts", default="xla,dot:64:256,dot:16:256,bsum:64:256,bsum:8:256",
-                    help="xla, or FORM:BN:BK of layer_products.Config")
+    ap.add_argument("--cuts", default="xla,dot:64:256,dot:16:256,dot:16:512:4:4,dot:32:256:8:3,bsum:64:256,bsum:8:256",
+                    help="xla, or FORM:BN:BK[:WARPS[:STAGES]] of layer_products.Config")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16")

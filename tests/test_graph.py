@@ -43,6 +43,22 @@ def test_a_loop_counts_its_body_per_trip_as_the_unrolled_program_does(short, lon
     assert launches(scan(long), x) - launches(scan(short), x) == per_trip
 
 
+def test_launch_order_lists_what_is_counted_in_order():
+    """The launch order (`bench graph --sequence`) holds every counted launch, in the program's order: a scan's body
+    repeated per trip stands once with its trip count, and a program of two dependent products and a reduction lists
+    its products before the reduction that reads them."""
+    x = jnp.ones((32, 32))
+    text = jax.jit(lambda x: jax.lax.scan(_body, x, None, length=5)[0]).lower(x).compile().as_text()
+    order, _ = graph.launch_order(text)
+    counter, _ = graph.count_launches(text)
+    assert sum(t for *_, t in order) == sum(counter.values())
+    assert any(t == 5 for *_, t in order)  # the body's kernels, once a trip
+    text = jax.jit(lambda a, b: jnp.sum(jnp.tanh(a @ b) @ b, axis=0)).lower(x, x).compile().as_text()
+    names = [name for _, name, _, _ in graph.launch_order(text)[0]]
+    reduce_at = max(i for i, n in enumerate(names) if n.startswith("reduce"))
+    assert names.count("dot_general") >= 1 and names.index("dot_general") < reduce_at, names
+
+
 def test_a_conditional_counts_its_largest_branch():
     """lax.cond: the kernels of the branch with more of them, as the program run on that branch launches, plus what is
     outside; each branch alone compiled as its own program gives the reference."""

@@ -115,42 +115,50 @@ def _kind_and_name(op: str, line: str) -> tuple[str, str]:
     return op, name
 
 
-def count_launches(text: str) -> tuple[collections.Counter, list[str]]:
-    """Kernels a run of the module launches: Counter {(kind, name): n}, and notes on what could not be counted
-    exactly (a while loop without a known trip count, counted once; a conditional, counted as its largest
-    branch)."""
+def launch_order(text: str) -> tuple[list[tuple[str, str, str, int]], list[str]]:
+    """The kernels a run of the module launches, in launch order: [(kind, name, output shape, times)] (times: how
+    often that launch repeats in place, a while body's kernels once per trip), and notes on what could not be
+    followed exactly (a while loop without a known trip count, followed once; a conditional, its largest branch)."""
     comps, entry = parse_hlo(text)
     notes: list[str] = []
 
-    def walk(name: str, times: int, counter: collections.Counter) -> None:
+    def walk(name: str, times: int) -> list[tuple[str, str, str, int]]:
+        out = []
         for op, line in comps[name]:
             if op in NO_KERNEL or op.endswith("-done"):
                 continue
             if op == "call":
-                walk(re.search(r"to_apply=%([\w.\-]+)", line).group(1), times, counter)
+                out += walk(re.search(r"to_apply=%([\w.\-]+)", line).group(1), times)
             elif op == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
                 if trips is None:
                     notes.append("a while loop without a known trip count: its body counted once")
-                walk(re.search(r"body=%([\w.\-]+)", line).group(1), times * (int(trips.group(1)) if trips else 1),
-                     counter)
+                out += walk(re.search(r"body=%([\w.\-]+)", line).group(1), times * (int(trips.group(1)) if trips
+                                                                                    else 1))
             elif op == "conditional":
                 branches = re.findall(r"%([\w.\-]+)", re.search(r"(branch_computations=\{[^}]*\}|true_computation="
                                                                  r"%[\w.\-]+, false_computation=%[\w.\-]+)",
                                                                  line).group(1))
-                counts = []
-                for branch in branches:
-                    c = collections.Counter()
-                    walk(branch, times, c)
-                    counts.append(c)
-                counter.update(max(counts, key=lambda c: sum(c.values())))
+                out += max((walk(branch, times) for branch in branches), key=lambda o: sum(t for *_, t in o))
                 notes.append("a conditional: its largest branch counted")
             else:
-                counter[_kind_and_name(op, line)] += times
+                shape = re.match(r"\s+(?:ROOT )?%[\w.\-]+ = (.*?) [a-z][a-z0-9\-]*\(", line)
+                out.append((*_kind_and_name(op, line), shape.group(1) if shape else "?", times))
+        return out
 
+    order = walk(entry, 1)
+    return order, sorted(set(notes))
+
+
+def count_launches(text: str) -> tuple[collections.Counter, list[str]]:
+    """Kernels a run of the module launches: Counter {(kind, name): n}, and notes on what could not be counted
+    exactly (a while loop without a known trip count, counted once; a conditional, counted as its largest
+    branch)."""
+    order, notes = launch_order(text)
     counter = collections.Counter()
-    walk(entry, 1, counter)
-    return counter, sorted(set(notes))
+    for kind, name, _, times in order:
+        counter[(kind, name)] += times
+    return counter, notes
 
 
 # ---- the programs, abstract and placed on the target ---------------------------------------------------------------
@@ -243,6 +251,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-k", type=positive, default=3, help="draft steps (propose) / drafts verified (verify)")
     p.add_argument("--rounds", type=positive, default=1, help="R of the round program (rounds per call)")
     p.add_argument("--top", type=int, default=12, help="kernels listed per program, by jax op (0: none)")
+    p.add_argument("--sequence", type=int, default=0,
+                   help="also list each program's first N kernels in launch order (kind, jax op, output)")
     p.add_argument("--hlo-dir", help="also write each program's optimized HLO here")
 
 
@@ -269,6 +279,11 @@ def run(args) -> dict:
                 with open(os.path.join(args.hlo_dir, f"{program}-bs{bs}.hlo.txt"), "w") as f:
                     f.write(text)
             counter, notes = count_launches(text)
+            if args.sequence:
+                order, _ = launch_order(text)
+                print(f"{program} bs {bs}: the first {args.sequence} kernels in launch order")
+                for kind, name, shape, times in order[:args.sequence]:
+                    print(f"  {kind:7s} {name:24s} {shape[:70]}{f'  (x {times})' if times > 1 else ''}")
             kinds = collections.Counter()
             for (kind, _), n in counter.items():
                 kinds[kind] += n

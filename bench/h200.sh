@@ -62,6 +62,9 @@
 # session 22 (issue #14): s22-fused (FUSED_E2E=1 on a warm machine), s22-cluster, s22-default, s22-cluster-device.
 # session 24 (issue #14, no device time; `bench graph` counts launches without one): next, goal-rows, s24-qkv,
 # s24-qkv-decode, s24-graph, s24-graph-trace, s24-norms, s24-tiling, then s23-fused-rows.
+# session 25 (issue #14, no device time): next, s25-diag-lp (pick layer_products.Config), s25-layer-products (GPU lane,
+# then verify/decode bs 1 with JAXSPEC_LAYER_PRODUCTS 0/1/0; LP_WITH="JAXSPEC_QKV_KERNEL=1 JAXSPEC_FUSED_NORMS=1" for
+# all three), then session 24's list; `JAXSPEC_LAYER_PRODUCTS=1 ... s24-graph` counts with it on the device.
 # session 23: no device time. Next (issue #14): goal-rows first (every goal row of #14 in one call, the figures of
 # session 22 came from a slow machine), then s23-fused-rows (session 24 adds s24-qkv, s24-qkv-decode, s24-graph, s24-graph-trace, s24-norms, s24-tiling).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:

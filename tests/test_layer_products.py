@@ -9,6 +9,7 @@ so a value may differ by one bf16 step (fp32: the last bits).
 
 from __future__ import annotations
 
+import functools
 import types
 
 import jax
@@ -61,12 +62,22 @@ SITES = {
 }
 
 
-def run(site, ops, kernel=True, form="dot"):
-    stream, norm, w, epilogue, mul = SITES[site](*ops)
-    if not kernel:
-        return jax.jit(lambda: stream_product_ref(stream, norm, w, eps=EPS, epilogue=epilogue, mul=mul))()
-    config = layer_products.Config(form=form)
-    return jax.jit(lambda: stream_product(stream, norm, w, eps=EPS, epilogue=epilogue, mul=mul, config=config))()
+@functools.lru_cache(maxsize=None)
+def _runner(site, kernel, form):
+    """One jitted function of the operands a (site, kernel or reference, form): calls on operands of the same shapes
+    reuse its compile."""
+    def f(*ops):
+        stream, norm, w, epilogue, mul = SITES[site](*ops)
+        if not kernel:
+            return stream_product_ref(stream, norm, w, eps=EPS, epilogue=epilogue, mul=mul)
+        return stream_product(stream, norm, w, eps=EPS, epilogue=epilogue, mul=mul,
+                              config=layer_products.Config(form=form))
+    return jax.jit(f)
+
+
+def run(site, ops, kernel=True, form="dot", fresh=False):
+    """The site on these operands; fresh: traced anew (a test that patches the kernel's module)."""
+    return (_runner.__wrapped__ if fresh else _runner)(site, kernel, form)(*ops)
 
 
 def check(got, want, dtype):
@@ -140,7 +151,7 @@ def test_falls_back_outside_its_shapes(monkeypatch):
     monkeypatch.setattr(layer_products, "pallas_call", lambda *a, real=layer_products.pallas_call, **kw:
                         calls.append(kw) or real(*a, **kw))
     ops = operands(jnp.float32, 3, 64, 32)
-    for g, w in zip(run("qkv", ops), run("qkv", ops, kernel=False)):
+    for g, w in zip(run("qkv", ops, fresh=True), run("qkv", ops, kernel=False)):
         np.testing.assert_array_equal(g, w)  # the very same function
     assert not calls
 
@@ -163,7 +174,7 @@ def test_comparison_has_teeth(broken, monkeypatch):
         site = "mlp"
     ops = operands(jnp.bfloat16, 4, 640, 256)
     with pytest.raises(AssertionError):
-        check(run(site, ops), run(site, ops, kernel=False), jnp.bfloat16)
+        check(run(site, ops, fresh=True), run(site, ops, kernel=False), jnp.bfloat16)
 
 
 def test_sites_from_the_environment(monkeypatch):

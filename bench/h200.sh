@@ -71,7 +71,7 @@
 #   for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i bash bench/h200.sh lane-X & done; wait
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache-${1:-bench} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache-${1:-bench}} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu-${1:-bench}.txt"
@@ -681,6 +681,12 @@ goal-rows)  # issue #14: every goal row of the target's and the drafter's steps 
   timeout ${DECODE_TIMEOUT:-120} python3 -m jaxspec.bench decode --bs 1 --cache paged --json "$OUT/decode-goals.json" \
     >> "$OUT/goals.log" 2>&1
   grep -E "^(propose|verify|decode)|Error|error:" "$OUT/goals.log" | head -20 ;;
+s26-goals)  # issue #14: goal-rows after warm compiles (its three programs compiled side by side, --iters 1, memory not
+  # preallocated, into the persistent cache), so the timed processes run one at a time in well under a call
+  for step in "propose --bs 1,64 --ctx 4096 --variants bucketed" "verify --bs 1,16" "decode --bs 1 --cache paged"; do
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${WARM_TIMEOUT:-300} python3 -m jaxspec.bench $step --iters 1 \
+      --json /tmp/warm-goals-${step%% *}.json > "$OUT/warm-goals-${step%% *}.log" 2>&1 & done; wait
+  bash "$0" goal-rows ;;
 s24-graph)  # issue #14 (next): `bench graph` on the device (XLA's autotuned GEMMs): launches a call of propose bs 1/64,
   # verify bs 1/16, decode bs 1 and the engine's round (bs 1, R 1). Session 24 counted, for an H200 described to XLA on
   # a CPU: 110, 184, 783, 791, 983 and the round's; the traces: verify bs 1 783 (session 17), propose bs 1 110 + 4 input

@@ -70,6 +70,22 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def check_outputs(got, want, dtype, *, bf16_atol: float, fp32_tol: float, same_shapes: bool = True):
+    """A kernel's outputs (a tuple, None where an output is absent) against its reference's: bf16 within one bf16 step
+    (rtol 2^-7, atol `bf16_atol` × the largest |value|), fp32 within `fp32_tol` relative."""
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        if w is None:
+            continue
+        if same_shapes:
+            assert g.shape == w.shape and g.dtype == w.dtype
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        if dtype == jnp.bfloat16:
+            np.testing.assert_allclose(g, w, rtol=2**-7, atol=bf16_atol * np.abs(w).max())
+        else:
+            np.testing.assert_allclose(g, w, rtol=fp32_tol, atol=fp32_tol * np.abs(w).max())
+
+
 # ---- Pearson's chi-square test of sampled counts against a law -------------------------------------------------------
 
 

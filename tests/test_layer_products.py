@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import check_outputs
 from jaxspec.config import ConfigError, layer_product_sites
 from jaxspec.pallas import layer_products, row_norms
 from jaxspec.pallas.layer_products import Residual, stream_product, stream_product_ref
@@ -81,16 +82,7 @@ def run(site, ops, kernel=True, form="dot", fresh=False):
 
 
 def check(got, want, dtype):
-    for g, w in zip(got, want):
-        assert (g is None) == (w is None)
-        if w is None:
-            continue
-        assert g.shape == w.shape and g.dtype == w.dtype
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        if dtype == jnp.bfloat16:
-            np.testing.assert_allclose(g, w, rtol=2**-7, atol=2**-7 * np.abs(w).max() * 2**-3)
-        else:
-            np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
+    check_outputs(got, want, dtype, bf16_atol=2**-10, fp32_tol=2e-5)
 
 
 @pytest.mark.parametrize("site", list(SITES))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import check_outputs
 from jaxspec.pallas import row_norms
 from jaxspec.pallas.row_norms import Vec, add_norm, add_norm_ref
 
@@ -46,15 +47,7 @@ SITES = {
 
 
 def check(got, want, dtype):
-    for g, w in zip(got, want):
-        assert (g is None) == (w is None)
-        if w is None:
-            continue
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        if dtype == jnp.bfloat16:
-            np.testing.assert_allclose(g, w, rtol=2**-7, atol=2**-7 * np.abs(w).max() * 2**-4)
-        else:
-            np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6 * np.abs(w).max())
+    check_outputs(got, want, dtype, bf16_atol=2**-11, fp32_tol=2e-6, same_shapes=False)
 
 
 @pytest.mark.parametrize("site", list(SITES))

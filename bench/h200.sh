@@ -65,6 +65,8 @@
 # session 25 (issue #14, no device time): next, s25-diag-lp (pick layer_products.Config), s25-layer-products (GPU lane,
 # then verify/decode bs 1 with JAXSPEC_LAYER_PRODUCTS 0/1/0; LP_WITH="JAXSPEC_QKV_KERNEL=1 JAXSPEC_FUSED_NORMS=1" for
 # all three), then session 24's list; `JAXSPEC_LAYER_PRODUCTS=1 ... s24-graph` counts with it on the device.
+# session 26 (issue #14): s26-lp (the layer products kernel timed: 2.7-2.8x slower, off), s25-diag-lp twice, s26-goals.
+# Next: s27-first (the kernel's GPU lane alone, the bs-64 propose traced), then session 24's list.
 # session 23: no device time. Next (issue #14): goal-rows first (every goal row of #14 in one call, the figures of
 # session 22 came from a slow machine), then s23-fused-rows (session 24 adds s24-qkv, s24-qkv-decode, s24-graph, s24-graph-trace, s24-norms, s24-tiling).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
@@ -687,6 +689,14 @@ s26-goals)  # issue #14: goal-rows after warm compiles (its three programs compi
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${WARM_TIMEOUT:-300} python3 -m jaxspec.bench $step --iters 1 \
       --json /tmp/warm-goals-${step%% *}.json > "$OUT/warm-goals-${step%% *}.log" 2>&1 & done; wait
   bash "$0" goal-rows ;;
+s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane alone (session 26 ran it beside six
+  # compiles that ran the GPU out of memory; four cases failed, cause not seen), then the bs-64 propose (0.5% from its
+  # goal, never traced) traced with every kernel listed
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_layer_products.py \
+    tests/test_rounds.py -k "stream_product or rows_do or fp32_products or layer_products" \
+    > "$OUT/tests-layer-products.txt" 2>&1
+  grep -E "passed|failed|^FAILED" "$OUT/tests-layer-products.txt" | tail -8
+  traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
 s24-graph)  # issue #14 (next): `bench graph` on the device (XLA's autotuned GEMMs): launches a call of propose bs 1/64,
   # verify bs 1/16, decode bs 1 and the engine's round (bs 1, R 1). Session 24 counted, for an H200 described to XLA on
   # a CPU: 110, 184, 783, 791, 983 and the round's; the traces: verify bs 1 783 (session 17), propose bs 1 110 + 4 input

@@ -67,6 +67,9 @@
 # all three), then session 24's list; `JAXSPEC_LAYER_PRODUCTS=1 ... s24-graph` counts with it on the device.
 # session 26 (issue #14): s26-lp (the layer products kernel timed: 2.7-2.8x slower, off), s25-diag-lp twice, s26-goals.
 # Next: s27-first (the kernel's GPU lane alone, the bs-64 propose traced), then session 24's list.
+# Compile caches between calls and sessions: `CACHE_OUT=1 bash bench/h200.sh PART` returns the part's compile cache as
+# $OUT/jaxcache-part-* (15 MiB each; the device returns 8 files, 64 MiB in all); copy them into .jaxcache/ (ignored)
+# and name ".jaxcache" in the next call's carry: every part unpacks it first (untried on the device as of session 26).
 # session 23: no device time. Next (issue #14): goal-rows first (every goal row of #14 in one call, the figures of
 # session 22 came from a slow machine), then s23-fused-rows (session 24 adds s24-qkv, s24-qkv-decode, s24-graph, s24-graph-trace, s24-norms, s24-tiling).
 # The lane-* parts are sized to run one per GPU of a four-GPU machine in one call:
@@ -78,6 +81,13 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache-${1:
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu-${1:-bench}.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" >> "$OUT/gpu-${1:-bench}.txt" 2>&1
+# A compile cache brought back by an earlier call (CACHE_OUT=1: $OUT/jaxcache-part-*, copied into .jaxcache/ and
+# carried: `carry: [".jaxcache"]`) is unpacked into this part's cache directory, so programs compiled then (the same
+# code, jax and GPU) load instead of compiling again (E4B's verify step: >130 s cold)
+if compgen -G ".jaxcache/jaxcache-part-*" > /dev/null; then
+  mkdir -p "$JAX_COMPILATION_CACHE_DIR" && cat .jaxcache/jaxcache-part-* | tar xzf - -C "$JAX_COMPILATION_CACHE_DIR" \
+    && echo "carried compile cache: $(ls "$JAX_COMPILATION_CACHE_DIR" | wc -l) files" >> "$OUT/gpu-${1:-bench}.txt"
+fi
 
 switch_ab_270m() {  # $1 an environment switch, $2 a file tag, $3 a timeout: the default pair at bs 1, 16 held-out
   # prompts, plain and k 4 at R $RS (default 4), once with the switch 0 and once with 1 (s7-convert first)
@@ -1042,4 +1052,8 @@ n=$(ls "$OUT" | wc -l)
 if [ "$n" -gt 8 ]; then
   tar czf /tmp/out.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/out.tgz "$OUT/out.tgz"
   echo "packed $n files into out.tgz"
+fi
+if [ -n "${CACHE_OUT:-}" ] && [ -d "$JAX_COMPILATION_CACHE_DIR" ]; then  # the part's compile cache, in 15-MiB parts
+  rm -f "$OUT"/jaxcache-part-*; tar czf - -C "$JAX_COMPILATION_CACHE_DIR" . | split -b 15m - "$OUT/jaxcache-part-"
+  echo "compile cache: $(du -sh "$JAX_COMPILATION_CACHE_DIR" | cut -f1) in $(ls "$OUT"/jaxcache-part-* | wc -l) parts"
 fi

@@ -109,6 +109,34 @@ traced_propose() {  # $1 a file tag, $2 batch sizes, $3 variants (the first trac
   echo "== $3"; grep "^propose ctx\|launches\|Error\|error:" "$OUT/propose-$1.log" | head -5
 }
 
+goal_rows() {  # every goal row of issue #14 (E4B, 4K, the defaults): the propose at bs 1 and 64 (bucketed: the default
+  # program, fresh host inputs each call), verify at bs 1 and 16, decode at bs 1 (paged), each in its own process (a
+  # cut loses one row, not all); then `python -m jaxspec.bench goals` here
+  timeout ${PROPOSE_TIMEOUT:-200} python3 -m jaxspec.bench propose --bs 1,64 --ctx 4096 --variants bucketed \
+    --json "$OUT/propose-goals.json" > "$OUT/goals.log" 2>&1
+  timeout ${VERIFY_TIMEOUT:-200} python3 -m jaxspec.bench verify --bs 1,16 --json "$OUT/verify-goals.json" \
+    >> "$OUT/goals.log" 2>&1
+  timeout ${DECODE_TIMEOUT:-120} python3 -m jaxspec.bench decode --bs 1 --cache paged --json "$OUT/decode-goals.json" \
+    >> "$OUT/goals.log" 2>&1
+  grep -E "^(propose|verify|decode)|Error|error:" "$OUT/goals.log" | head -20
+}
+
+warm() {  # $1 a log tag, the rest a bench subcommand and its flags: one --iters 1 run that fills the persistent compile
+  # cache, memory not preallocated and held to WARM_MEM of the GPU (default 14%: several run side by side; session 26
+  # saw six unbounded ones run the GPU out of memory); its own figures are not results (JSON under /tmp)
+  local tag=$1; shift
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=${WARM_MEM:-.14} timeout ${WARM_TIMEOUT:-260} \
+    python3 -m jaxspec.bench "$@" --iters 1 --json "/tmp/warm-$tag.json" > "$OUT/warm-$tag.log" 2>&1
+}
+
+lp_lane() {  # the layer products kernel's GPU lane: the kernel against its reference (Triton), the engine with it
+  # against transformers' greedy; failures named
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_layer_products.py \
+    tests/test_rounds.py -k "stream_product or rows_do or fp32_products or layer_products" \
+    > "$OUT/tests-layer-products.txt" 2>&1
+  grep -E "passed|failed|^FAILED" "$OUT/tests-layer-products.txt" | tail -8
+}
+
 ab_verify() {  # $1 an environment switch, $2 a file tag, $3 a timeout: E4B's verify (bs 1, 4K) with the switch 0 and 1,
   # each traced (every kernel listed); the switch-0 run also dumps XLA's optimized HLO (xz back) to name the kernels
   local v f dump
@@ -683,29 +711,18 @@ s21-pin)  # issue #14 (next): JAXSPEC_PIN_OUTPUT 0 against 1 (the decode call's 
       > "$OUT/e2e-e4b-pin$v.log" 2>&1; echo "== E4B JAXSPEC_PIN_OUTPUT=$v"; grep -h "^e2e bs" "$OUT/e2e-e4b-pin$v.log"; done
   [[ $steps == *" 270m "* ]] && [ -d /root/gemma-3-270m ] && RS=1 switch_ab_270m \
     JAXSPEC_PIN_OUTPUT pin ${AB_TIMEOUT:-200}; true ;;
-goal-rows)  # issue #14: every goal row of the target's and the drafter's steps in one call (E4B, 4K, the defaults): the
-  # propose at bs 1 and 64 (bucketed: the default program, fresh host inputs each call), verify at bs 1 and 16, decode
-  # at bs 1 (paged), each in its own process (a cut loses one row, not all); then `python -m jaxspec.bench goals` here
-  timeout ${PROPOSE_TIMEOUT:-200} python3 -m jaxspec.bench propose --bs 1,64 --ctx 4096 --variants bucketed \
-    --json "$OUT/propose-goals.json" > "$OUT/goals.log" 2>&1
-  timeout ${VERIFY_TIMEOUT:-200} python3 -m jaxspec.bench verify --bs 1,16 --json "$OUT/verify-goals.json" \
-    >> "$OUT/goals.log" 2>&1
-  timeout ${DECODE_TIMEOUT:-120} python3 -m jaxspec.bench decode --bs 1 --cache paged --json "$OUT/decode-goals.json" \
-    >> "$OUT/goals.log" 2>&1
-  grep -E "^(propose|verify|decode)|Error|error:" "$OUT/goals.log" | head -20 ;;
-s26-goals)  # issue #14: goal-rows after warm compiles (its three programs compiled side by side, --iters 1, memory not
-  # preallocated, into the persistent cache), so the timed processes run one at a time in well under a call
-  for step in "propose --bs 1,64 --ctx 4096 --variants bucketed" "verify --bs 1,16" "decode --bs 1 --cache paged"; do
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${WARM_TIMEOUT:-300} python3 -m jaxspec.bench $step --iters 1 \
-      --json /tmp/warm-goals-${step%% *}.json > "$OUT/warm-goals-${step%% *}.log" 2>&1 & done; wait
-  bash "$0" goal-rows ;;
+goal-rows)  # issue #14: every goal row of the target's and the drafter's steps in one call (goal_rows)
+  goal_rows ;;
+s26-goals)  # issue #14: goal-rows after warm compiles (its three programs compiled side by side into the persistent
+  # cache), so the timed processes run one at a time in well under a call
+  export WARM_MEM=${WARM_MEM:-.3}  # three side by side (session 26 ran them unbounded, without running out)
+  warm goals-propose propose --bs 1,64 --ctx 4096 --variants bucketed & warm goals-verify verify --bs 1,16 &
+  warm goals-decode decode --bs 1 --cache paged & wait
+  goal_rows ;;
 s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane alone (session 26 ran it beside six
   # compiles that ran the GPU out of memory; four cases failed, cause not seen), then the bs-64 propose (0.5% from its
   # goal, never traced) traced with every kernel listed
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_layer_products.py \
-    tests/test_rounds.py -k "stream_product or rows_do or fp32_products or layer_products" \
-    > "$OUT/tests-layer-products.txt" 2>&1
-  grep -E "passed|failed|^FAILED" "$OUT/tests-layer-products.txt" | tail -8
+  TEST_TIMEOUT=${TEST_TIMEOUT:-240} lp_lane
   traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
 s24-graph)  # issue #14 (next): `bench graph` on the device (XLA's autotuned GEMMs): launches a call of propose bs 1/64,
   # verify bs 1/16, decode bs 1 and the engine's round (bs 1, R 1). Session 24 counted, for an H200 described to XLA on
@@ -747,10 +764,7 @@ s25-layer-products)  # issue #14 (next): a layer's products with the norms befor
   # reference, compiled by Triton; the engine with it against transformers' greedy, all sites and all but q/k/v), then
   # verify bs 1 and decode bs 1 with the switch 0, 1, 0 (LP_SITES: JAXSPEC_LAYER_PRODUCT_SITES of the 1 runs, default
   # all; LP_WITH="JAXSPEC_QKV_KERNEL=1 JAXSPEC_FUSED_NORMS=1" to run them with the other kernels too)
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/test_layer_products.py \
-    tests/test_rounds.py -k "stream_product or rows_do or fp32_products or layer_products" \
-    > "$OUT/tests-layer-products.txt" 2>&1
-  grep -E "passed|failed" "$OUT/tests-layer-products.txt" | tail -2
+  lp_lane
   for v in 0 1 0; do for step in verify decode; do
     env JAXSPEC_LAYER_PRODUCTS=$v ${LP_SITES:+JAXSPEC_LAYER_PRODUCT_SITES=$LP_SITES} $LP_WITH \
       timeout ${STEP_TIMEOUT:-150} python3 -m jaxspec.bench $step --bs 1 $([ $step = decode ] && echo --cache paged) \
@@ -766,17 +780,13 @@ s26-lp)  # issue #14: the layer products kernel on the H200 in one call. Warm co
     "JAXSPEC_LAYER_PRODUCTS=1 JAXSPEC_QKV_KERNEL=1 JAXSPEC_FUSED_NORMS=1"); tags=(lp0 lp1 lp1-qkv-fn)
   steps=${LP_STEPS:-verify decode}
   for step in $steps; do for i in 0 1 2; do
-    env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=.14 ${confs[i]} \
-    timeout ${WARM_TIMEOUT:-260} python3 -m jaxspec.bench $step --bs 1 --iters 1 $([ $step = decode ] && echo --cache paged) \
-    --json /tmp/warm-$step-$i.json > "$OUT/warm-$step-${tags[i]}.log" 2>&1 & done; done; wait
+    (export ${confs[i]}; warm "$step-${tags[i]}" $step --bs 1 $([ $step = decode ] && echo --cache paged)) & done; done
+  wait
   for i in 0 1 2 0; do for step in $steps; do f="$step-${tags[i]}"; [ -e "$OUT/$f-experiment.json" ] && f="$f-again"
     env ${confs[i]} timeout ${STEP_TIMEOUT:-90} python3 -m jaxspec.bench $step --bs 1 \
       $([ $step = decode ] && echo --cache paged) --json "$OUT/$f-experiment.json" > "$OUT/$f.log" 2>&1
     echo "== $step ${confs[i]}"; grep "^step of\|Error" "$OUT/$f.log" | head -3; done; done
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_layer_products.py \
-    tests/test_rounds.py -k "stream_product or rows_do or fp32_products or layer_products" \
-    > "$OUT/tests-layer-products.txt" 2>&1
-  grep -E "passed|failed|^FAILED" "$OUT/tests-layer-products.txt" | tail -8 ;;
+  lp_lane ;;
 s24-qkv)  # issue #14 (next): the q/k/v kernel (JAXSPEC_QKV_KERNEL=1: a non-shared layer's q/k/v norms, RoPE and K/V
   # write in one launch, a KV-shared layer's q in another; bench graph: verify bs 1 783 -> 732 launches, decode bs 1
   # 983 -> 867). GPU lane (the kernels against their references, compiled by Triton; the engine with them against

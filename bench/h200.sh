@@ -67,6 +67,8 @@
 # all three), then session 24's list; `JAXSPEC_LAYER_PRODUCTS=1 ... s24-graph` counts with it on the device.
 # session 26 (issue #14): s26-lp (the layer products kernel timed: 2.7-2.8x slower, off), s25-diag-lp twice, s26-goals.
 # Next: s27-first (the kernel's GPU lane alone, the bs-64 propose traced), then session 24's list.
+# session 27 (issue #14, no device time; the per-call inputs staged, JAXSPEC_STAGE_INPUTS): next, s27-stage first (its GPU
+# lane, XLA's count of updated nodes a propose call, the goal rows' programs staged against not), then s27-first.
 # Compile caches between calls and sessions: `CACHE_OUT=1 bash bench/h200.sh PART` returns the part's compile cache as
 # $OUT/jaxcache-part-* (15 MiB each; the device returns 8 files, 64 MiB in all); copy them into .jaxcache/ (ignored)
 # and name ".jaxcache" in the next call's carry: every part unpacks it first (untried on the device as of session 26).
@@ -724,6 +726,35 @@ s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane a
   # goal, never traced) traced with every kernel listed
   TEST_TIMEOUT=${TEST_TIMEOUT:-240} lp_lane
   traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
+s27-stage)  # issue #14 (session 27, first in the queue): JAXSPEC_STAGE_INPUTS — each program copies its per-call inputs
+  # into one buffer of its own first (jaxspec/staging.py), so that fresh input arrays move one CUDA-graph node instead of
+  # the ~147 of 209 (propose bs 1) XLA re-records today. STAGE_STEPS: any of "lane vlog bench" (all by default).
+  # lane: its tests on the GPU (the drafter's bit-for-bit comparison and the engine's, Triton kernels); vlog: XLA's own
+  # count of re-recorded nodes a call, the bs-1 propose bucketed against staged (20 calls each); bench: the goal rows'
+  # programs called as the goal rows call them, staged beside unstaged in one process each, propose in both orders
+  # (bucketed,staged then staged,bucketed), verify bs 1,16 and decode bs 1 (paged against paged-staged). All figures
+  # are -experiment files (the goal rows themselves come from s26-goals with the switch's shipped value)
+  steps=" ${STAGE_STEPS:-lane vlog bench} "; vm=command_buffer_thunk=3,command_executor=2
+  [[ $steps == *" lane "* ]] && { timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+    tests/test_staging.py tests/test_rounds.py -k "staging or staged or stages or copied or misplaced or copy" \
+    > "$OUT/tests-stage.txt" 2>&1; grep -E "passed|failed|^FAILED" "$OUT/tests-stage.txt" | tail -6; }
+  [[ $steps == *" vlog "* ]] && for v in bucketed staged; do
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=$vm timeout ${VLOG_TIMEOUT:-150} python3 -m jaxspec.bench propose --bs 1 \
+      --ctx 4096 --variants $v --iters 20 --json "$OUT/propose-stage-vlog-$v-experiment.json" > /tmp/sv-$v.log 2>&1
+    echo "== $v: $(grep -h '^propose ctx' /tmp/sv-$v.log)"
+    grep -oE "Updated [0-9]+ commands in [0-9]+" /tmp/sv-$v.log | awk '{n[$2]++; s[$2]+=$NF} END {for (k in n) \
+      printf "  graph %s: %d updates, mean %.0f us\n", k, n[k], s[k]/n[k]}' | sort -t: -k2 -rn | head -4 \
+      | tee "$OUT/stage-updates-$v.txt"; done
+  [[ $steps == *" bench "* ]] && {
+    for order in bucketed,staged staged,bucketed; do
+      timeout ${PROPOSE_TIMEOUT:-200} python3 -m jaxspec.bench propose --bs 1,64 --ctx 4096 --variants $order \
+        --json "$OUT/propose-stage-${order%%,*}-first-experiment.json" > "$OUT/propose-stage-${order%%,*}-first.log" 2>&1
+      echo "== $order"; grep -h "^propose ctx\|Error" "$OUT/propose-stage-${order%%,*}-first.log" | head -3; done
+    timeout ${VERIFY_TIMEOUT:-260} python3 -m jaxspec.bench verify --bs 1,16 --cache paged,paged-staged \
+      --json "$OUT/verify-stage-experiment.json" > "$OUT/verify-stage.log" 2>&1
+    timeout ${DECODE_TIMEOUT:-160} python3 -m jaxspec.bench decode --bs 1 --cache paged,paged-staged \
+      --json "$OUT/decode-stage-experiment.json" > "$OUT/decode-stage.log" 2>&1
+    grep -h "^step of\|Error" "$OUT/verify-stage.log" "$OUT/decode-stage.log" | head -8; }; true ;;
 s24-graph)  # issue #14 (next): `bench graph` on the device (XLA's autotuned GEMMs): launches a call of propose bs 1/64,
   # verify bs 1/16, decode bs 1 and the engine's round (bs 1, R 1). Session 24 counted, for an H200 described to XLA on
   # a CPU: 110, 184, 783, 791, 983 and the round's; the traces: verify bs 1 783 (session 17), propose bs 1 110 + 4 input

@@ -8,6 +8,7 @@ speculative round, k + 1 positions per row over the paged cache. The bound is th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import jax
@@ -20,14 +21,21 @@ from jaxspec.config import LAYER_TYPES, SLIDING, TargetConfig, bench_pair
 from jaxspec.model import gemma4
 from jaxspec.model.weights import random_target_params
 from jaxspec.paged_kv.metadata import PageTables, step_metadata
+from jaxspec.staging import hold, stage
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnums=(1,))
-def paged_decode_step(params, kv, pages: PageTables, tokens, cached_len, num_new, *, cfg, spec):
-    """One target step over the paged cache (Pallas kernels) -> (fp32 logits of the last position [B, V], kv)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "staged"), donate_argnums=(1,))
+def paged_decode_step(params, kv, pages: PageTables, tokens, cached_len, num_new, *, cfg, spec, staged=False):
+    """One target step over the paged cache (Pallas kernels) -> (fp32 logits of the last position [B, V], kv).
+    staged: the step's per-call inputs (tokens, lengths, page table) copied into one buffer of its own first
+    (`jaxspec.staging`, as the engine's programs do with JAXSPEC_STAGE_INPUTS=1)."""
+    words = None
+    if staged:
+        (table, tokens, cached_len, num_new), words = stage((pages.page_table, tokens, cached_len, num_new))
+        pages = dataclasses.replace(pages, page_table=table)
     meta = step_metadata(cfg, spec, pages, cached_len, num_new, tokens.shape[1], use_kernels=True)
     hidden, kv = gemma4.paged_forward(params, cfg, kv, meta, tokens, use_kernels=True)
-    return gemma4.logits(params, cfg, hidden[:, -1]), kv
+    return hold(gemma4.logits(params, cfg, hidden[:, -1]), words), kv
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnums=(1, 2), keep_unused=True)
@@ -57,7 +65,7 @@ def decode_bytes(cfg: TargetConfig, params, bs: int, ctx: int) -> dict[str, int]
     return out
 
 
-CACHES = ("dense", "paged", "paged-stable")
+CACHES = ("dense", "paged", "paged-stable", "paged-staged")
 
 
 def step_args(p: argparse.ArgumentParser) -> None:
@@ -74,7 +82,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="dense, paged (the Pallas kernels), paged-stable (the paged step as the engine calls its "
                    "programs: its inputs the same device buffers every call, its output written into the buffer "
                    "its last call returned, so that XLA need not re-record the CUDA graph's nodes for moved "
-                   "buffers); both = dense,paged")
+                   "buffers), paged-staged (paged, called as paged is, its per-call inputs copied into one buffer "
+                   "of the step's own first: JAXSPEC_STAGE_INPUTS); both = dense,paged")
     p.add_argument("--unstacked", action="store_true", help="also time the paged step with per-layer weight leaves "
                    "(one array per layer instead of one stack per layer group)")
 
@@ -93,10 +102,11 @@ def dense_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, seed: int
     return call, len(jax.tree.leaves((params, tokens[0], start, box[0]))), memory_note(box[0])
 
 
-def paged_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, args, stable: bool = False):
+def paged_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, args, stable: bool = False,
+                 staged: bool = False):
     """The same step over a paged cache through the Pallas kernels: each request holds ctx - T positions and the
     step writes the last T (T = 1: decode; T = k + 1: a verify step). stable: every call reads the first token set
-    and writes its logits into the buffer the call before returned (donated)."""
+    and writes its logits into the buffer the call before returned (donated). staged: paged_decode_step's `staged`."""
     T = tokens[0].shape[1]
     cache, rids = paged_cache(cfg, bs, ctx - T, max_context=ctx, page_size=args.page_size,
                               max_step_tokens=max(args.chunk, T), seed=args.seed)
@@ -112,7 +122,7 @@ def paged_decode(params, cfg: TargetConfig, bs: int, ctx: int, tokens, args, sta
                                                     cfg=cfg, spec=cache.spec)
             return box[1]
         logits, box[0] = paged_decode_step(params, box[0], pages, tokens[i], cached_len, num_new, cfg=cfg,
-                                           spec=cache.spec)
+                                           spec=cache.spec, staged=staged)
         return logits
 
     leaves = len(jax.tree.leaves((params, box[0], pages, tokens[0], cached_len, num_new)))
@@ -142,13 +152,14 @@ def run(args) -> dict:
             for mode in modes:
                 if mode == "dense":
                     call, leaves, note = dense_decode(params, cfg, bs, ctx, tokens, args.seed)
-                elif mode in ("paged", "paged-stable"):
-                    call, leaves, note = paged_decode(params, cfg, bs, ctx, tokens, args, stable=mode != "paged")
+                elif mode in ("paged", "paged-stable", "paged-staged"):
+                    call, leaves, note = paged_decode(params, cfg, bs, ctx, tokens, args,
+                                                      stable=mode == "paged-stable", staged=mode == "paged-staged")
                 else:
                     call, leaves, note = paged_decode(unstacked, cfg, bs, ctx, tokens, args)
                 step_us = median_us(call, args.iters, num_sets=1 if mode == "paged-stable" else NUM_SETS)
                 same = None
-                if mode in ("paged", "paged-stable"):  # both modes' logits of the first token set, bit for bit
+                if mode in ("paged", "paged-stable", "paged-staged"):  # logits of the first token set, bit for bit
                     logits = np.asarray(call(0))
                     first.setdefault((bs, ctx), logits)
                     same = bool(np.array_equal(first[(bs, ctx)], logits))
@@ -180,8 +191,8 @@ def run(args) -> dict:
 def add_verify_args(p: argparse.ArgumentParser) -> None:
     step_args(p)
     p.add_argument("-k", type=positive, default=3, help="drafts verified per step (the step runs k + 1 positions)")
-    p.add_argument("--cache", type=names_from(("paged", "paged-stable")), default="paged",
-                   help="paged, paged-stable: as decode's --cache")
+    p.add_argument("--cache", type=names_from(("paged", "paged-stable", "paged-staged")), default="paged",
+                   help="paged, paged-stable, paged-staged: as decode's --cache")
 
 
 def run_verify(args) -> dict:

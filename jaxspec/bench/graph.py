@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 from jaxspec.bench.common import DTYPE, PRESET_NAMES, names_from, positive, print_table, sizes
-from jaxspec.config import FULL, AssistantConfig, ConfigError, TargetConfig, bench_pair
+from jaxspec.config import FULL, AssistantConfig, ConfigError, TargetConfig, bench_pair, env_switch
 from jaxspec.paged_kv.cache import LayerKV
 from jaxspec.paged_kv.metadata import CacheSpec, PageTables
 
@@ -216,6 +216,7 @@ def compiled_text(program: str, preset: str, bs: int, ctx: int, k: int, page_siz
     from jaxspec.model import gemma4
 
     cfg, acfg = bench_pair(preset)
+    staged = env_switch("JAXSPEC_STAGE_INPUTS") is True  # as the engine's programs and BucketedDrafter take it
     sharding = SingleDeviceSharding(device)
     spec, target, assistant, kv, pages = abstract_state(cfg, acfg, bs, ctx, page_size, sharding)
     if program == "propose":
@@ -227,14 +228,16 @@ def compiled_text(program: str, preset: str, bs: int, ctx: int, k: int, page_siz
     vec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)  # noqa: E731
     if program == "round":
         programs = Programs(cfg=cfg, acfg=acfg, spec=spec, k=k, draft_mode="bucketed", use_kernels=True,
-                            eos=tuple(cfg.eos_token_ids))
+                            eos=tuple(cfg.eos_token_ids), stage_inputs=staged,
+                            pin_output=env_switch("JAXSPEC_PIN_OUTPUT") is True)
         state = placed(jax.eval_shape(lambda: DecodeState.empty(bs + 1, cfg.hidden_size, DTYPE)), sharding)
         lowered = lower_ahead(programs.decode_rounds(rounds, False), Weights(target=params, assistant=assistant),
                               kv, state, vec(bs), pages, donate_argnames=("kv", "state"),
                               compiler_options=DRAFT_COMPILER_OPTIONS, precision=matmul_precision(DTYPE))
         return lowered.compile().as_text()
     T = k + 1 if program == "verify" else 1
-    lowered = paged_decode_step.trace(params, kv, pages, vec(bs, T), vec(bs), vec(bs), cfg=cfg, spec=spec).lower()
+    lowered = paged_decode_step.trace(params, kv, pages, vec(bs, T), vec(bs), vec(bs), cfg=cfg, spec=spec,
+                                      staged=staged).lower()
     return lowered.compile().as_text()
 
 

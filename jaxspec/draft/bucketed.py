@@ -13,16 +13,19 @@ instead of stalling. Padded rows use the dummy page and cached_len 0 (they see n
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.aot import compile_ahead, matmul_precision
-from jaxspec.config import AssistantConfig, TargetConfig
+from jaxspec.config import AssistantConfig, TargetConfig, env_switch
 from jaxspec.model.assistant import fused_supported, propose, propose_fused
 from jaxspec.model.gemma4 import layer_ops
 from jaxspec.paged_kv.cache import PagedKVCache, draft_attend, draft_attend_rows
 from jaxspec.paged_kv.metadata import CacheSpec, PageTables, draft_metadata
+from jaxspec.staging import hold, stage
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -88,11 +91,16 @@ class BucketedDrafter:
     an output's allocation; a fresh output then moves them every call and XLA re-records every graph node that
     touches them before launching (BENCHMARKS.md session 10: 140 of the bs-1 propose's 207, ~300 µs of host time a
     call). With it, what `propose_bucket` returned is valid only until that bucket's next call (the engine's round
-    programs donate their state the same way)."""
+    programs donate their state the same way).
+
+    stage_inputs: the program copies its per-call inputs (page table, cached lengths, pending tokens, seed rows) into
+    one buffer of its own before anything reads them (`jaxspec.staging`), so that fresh input arrays each call move
+    one graph node instead of most of them; None: `$JAXSPEC_STAGE_INPUTS` (off unless 1)."""
 
     def __init__(self, aparams, acfg: AssistantConfig, target_embed, cfg: TargetConfig, k: int, *,
                  buckets=DEFAULT_BUCKETS, seed_slots: int | None = None, use_kernels: bool = True,
-                 fused: bool | None = None, compiler_options: dict | None = None, donate_outputs: bool = False):
+                 fused: bool | None = None, compiler_options: dict | None = None, donate_outputs: bool = False,
+                 stage_inputs: bool | None = None):
         buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"draft buckets must be positive batch sizes, got {buckets}")
@@ -100,6 +108,7 @@ class BucketedDrafter:
         self.buckets = buckets
         self.seed_slots = seed_slots or buckets[-1] + 1
         self.use_kernels, self.fused, self.donate_outputs = use_kernels, fused, donate_outputs
+        self.stage_inputs = env_switch("JAXSPEC_STAGE_INPUTS") is True if stage_inputs is None else stage_inputs
         self.outputs: dict[int, tuple] = {}  # with donate_outputs: each bucket's last outputs, donated to its next call
         # e.g. {"xla_gpu_enable_command_buffer": ""} to measure what the graphs buy; on top of DRAFT_COMPILER_OPTIONS
         self.compiler_options = {**DRAFT_COMPILER_OPTIONS, **(compiler_options or {})}
@@ -115,8 +124,13 @@ class BucketedDrafter:
                  drafts_out=None, h_out=None):
         # drafts_out, h_out: with donate_outputs, the last call's outputs, donated (their values unused): jax aliases
         # each to the output of its shape, so the outputs keep their addresses from call to call
-        return draft(aparams, target_embed, kv, pages, cached_len, pending_token, seed_table[slot], acfg=self.acfg,
-                     target=self.cfg, spec=self.cache.spec, k=self.k, use_kernels=self.use_kernels, fused=self.fused)
+        words = None
+        if self.stage_inputs:
+            (table, cached_len, pending_token, slot), words = stage((pages.page_table, cached_len, pending_token, slot))
+            pages = dataclasses.replace(pages, page_table=table)
+        out = draft(aparams, target_embed, kv, pages, cached_len, pending_token, seed_table[slot], acfg=self.acfg,
+                    target=self.cfg, spec=self.cache.spec, k=self.k, use_kernels=self.use_kernels, fused=self.fused)
+        return hold(out, words)
 
     def compile(self) -> None:
         """Compile every bucket against the cache's current shapes (ahead of time, off the serving path)."""

@@ -24,6 +24,7 @@ from jaxspec.draft.bucketed import draft
 from jaxspec.model import gemma4
 from jaxspec.paged_kv.metadata import CacheSpec, PageTables, step_metadata
 from jaxspec.sampling import SamplingMetadata
+from jaxspec.staging import hold, stage
 
 
 @jax.tree_util.register_dataclass
@@ -103,6 +104,10 @@ class Programs:
     # the decode call's one fresh output (the committed tokens) made at the program's start, so that its buffer is
     # live throughout and no temporary shares it (JAXSPEC_PIN_OUTPUT; below)
     pin_output: bool = False
+    # the call's per-call inputs (slots, page tables, a prefill's batch) copied into one buffer of the program's
+    # before anything reads them, so that a fresh upload moves one graph node, not every node that reads one
+    # (`jaxspec.staging`; JAXSPEC_STAGE_INPUTS)
+    stage_inputs: bool = False
 
     def _forward(self, weights: Weights, kv, pages: PageTables, tokens, cached_len, num_new, invariant=False):
         meta = step_metadata(self.cfg, self.spec, pages, cached_len, num_new, tokens.shape[1],
@@ -112,6 +117,7 @@ class Programs:
 
     def prefill(self, sample: bool):
         def prefill(weights: Weights, kv, state: DecodeState, batch: PrefillBatch, pages: PageTables):
+            batch, pages, words = self._stage(batch, pages)
             hidden, kv = self._forward(weights, kv, pages, batch.tokens, batch.cached_len, batch.num_new)
             h_last = jnp.take_along_axis(hidden, jnp.maximum(batch.num_new - 1, 0)[:, None, None], axis=1)[:, 0]
             logits = gemma4.logits(weights.target, self.cfg, h_last)  # [B, V]
@@ -126,9 +132,16 @@ class Programs:
                 pending_token=jnp.where(batch.pending_token >= 0, batch.pending_token, token),
                 seed_hidden=h_last, num_generated=batch.num_generated, max_new_tokens=batch.max_new_tokens,
                 ignore_eos=batch.ignore_eos, done=jnp.zeros_like(batch.last), sampling=batch.sampling)
-            return kv, state.put(batch.slot, rows, batch.last), token
+            return kv, state.put(batch.slot, rows, batch.last), hold(token, words)
 
         return prefill
+
+    def _stage(self, inputs, pages: PageTables):
+        """(inputs, pages, the staging buffer): with stage_inputs, read from one copy made at the program's start."""
+        if not self.stage_inputs:
+            return inputs, pages, None
+        (inputs, table), words = stage((inputs, pages.page_table))
+        return inputs, dataclasses.replace(pages, page_table=table), words
 
     def decode_rounds(self, rounds: int, sample: bool):
         """R rounds; with draft_mode "eager" the drafts of its one round are an argument (the host's reference)."""
@@ -163,6 +176,7 @@ class Programs:
             return kv, self._advance(rows, active, n, committed, hidden)
 
         def decode_rounds(weights: Weights, kv, state: DecodeState, slot, pages: PageTables, drafts=None):
+            (slot, drafts), pages, words = self._stage((slot, drafts), pages)
             B = slot.shape[0]
             out = jnp.zeros((B, rounds, k + 2), jnp.int32)  # per round: committed tokens, then their count
             if self.pin_output:
@@ -194,7 +208,7 @@ class Programs:
             else:
                 carry = jax.lax.while_loop(lambda c: (c[0] < rounds) & jnp.any(~c[2].done), body, carry)
             _, kv, rows, out = carry
-            return kv, state.put(slot, rows, slot > 0), out
+            return kv, state.put(slot, rows, slot > 0), hold(out, words)
 
         return decode_rounds
 

@@ -1,0 +1,198 @@
+"""`jaxspec.staging`: a program's per-call inputs copied into one buffer of its own before anything reads them.
+
+What it must do, checked on XLA's own output for the CPU (the same compiler passes decide it for the GPU; `bench graph`
+counts the GPU programs): values pass through bit for bit; each staged parameter is read by one kernel only (the copy),
+so that on a GPU a fresh input array moves one graph node; the copy never lives in an output's allocation.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import staging
+from jaxspec.draft.bucketed import BucketedDrafter
+from jaxspec.engine.programs import PrefillBatch
+from jaxspec.sampling import SamplingMetadata
+
+from test_drafter import make_cache, pair, random_state, seed_table  # noqa: F401  (pair: the module fixture)
+
+
+def entry_readers(text: str) -> dict[str, tuple[str, list[str]]]:
+    """Each parameter of the optimized HLO's entry computation: name -> (shape, the instructions that read it)."""
+    entry = text[text.index("\nENTRY"):]
+    lines = entry.splitlines()
+    out = {}
+    for name, shape in re.findall(r"%(\S+) = (\S+) parameter\(\d+\)", entry):
+        use = re.compile(rf"[(,] ?%{re.escape(name)}[,)]")
+        out[name] = (shape, [ln.split("=")[0].strip() for ln in lines if use.search(ln) and "parameter(" not in ln])
+    return out
+
+
+def odd_inputs():
+    """A pytree of what programs get each call: negative and large ints, float bit patterns XLA must not touch
+    (NaN, -0.0, inf, denormals), bools, a zero-size leaf; and leaves never staged (bf16, one over the size limit)."""
+    rng = np.random.default_rng(0)
+    f32 = np.array([np.nan, -0.0, np.inf, -np.inf, 1e-45, 3.5], np.float32)
+    big = np.arange(staging.MAX_LEAF_BYTES // 4 + 1, dtype=np.int32)
+    return {"table": rng.integers(-2**31, 2**31 - 1, (3, 5), dtype=np.int64).astype(np.int32), "f32": f32,
+            "u32": np.array([0, 2**32 - 1, 7], np.uint32), "flags": np.array([True, False, True]),
+            "empty": np.zeros((2, 0), np.int32), "bf16": jnp.asarray([1.5, -2.0], jnp.bfloat16), "big": big}
+
+
+def test_staged_values_pass_bit_for_bit():
+    """stage then hold returns every leaf with its dtype, shape and bits (NaN payloads and -0.0 included); bf16 and
+    over-limit leaves are left as they are (not staged)."""
+    tree = odd_inputs()
+    got = jax.jit(lambda t: staging.hold(staging.stage(t)[0], staging.stage(t)[1]))(tree)
+    for name, want in tree.items():
+        g = np.asarray(got[name])
+        assert g.dtype == np.asarray(want).dtype and g.shape == np.asarray(want).shape, name
+        assert np.asarray(want).tobytes() == g.tobytes(), name
+    assert not staging.stageable(tree["bf16"]) and not staging.stageable(tree["big"])
+    assert all(staging.stageable(tree[n]) for n in ("table", "f32", "u32", "flags", "empty"))
+
+
+def test_a_misplaced_slice_fails_the_comparison(monkeypatch):
+    """Sensitivity of the test above: the leaves read one word off their place in the copy are caught."""
+    real = staging._from_words
+    monkeypatch.setattr(staging, "_from_words", lambda w, dtype: real(jnp.roll(w, 1), dtype))
+    tree = odd_inputs()
+    got = jax.jit(lambda t: staging.stage(t)[0])(tree)
+    assert np.asarray(tree["table"]).tobytes() != np.asarray(got["table"]).tobytes()
+
+
+def test_each_staged_parameter_is_read_by_the_copy_alone(pair):  # noqa: F811
+    """BucketedDrafter's program (the tiny e2b pair's drafter, bucket 3): with stage_inputs, the page table, cached
+    lengths, pending tokens and seed rows are each read by one instruction, the same one; without, the cached lengths
+    are read by several (positions, masks, RoPE fused into each consumer) — what moves graph nodes on a GPU. Both
+    give the same drafts, bit for bit, on changing states."""
+    cfg, params, acfg, aparams = pair
+    readers = {}
+    outs = {}
+    for staged in (False, True):
+        cache = make_cache(cfg)
+        d = BucketedDrafter(aparams, acfg, params["embed"], cfg, 3, buckets=(3,), seed_slots=9, stage_inputs=staged)
+        d.attach(cache)
+        readers[staged] = entry_readers(d.executables[3].as_text())
+        outs[staged] = []
+        for call in range(3):
+            for rid in list(cache.pool.requests):
+                cache.pool.free(rid)
+            _, _, pt, cl, pending = random_state(cfg, 3, seed=300 + call, cache=cache)
+            outs[staged].append(d.propose(pt, cl, pending, seed_table(acfg, 9, call), np.array([4, 1, 7], np.int32)))
+    names = ("pages_page_table", "cached_len", "pending_token", "slot")
+    per_call = {s: {n: users for name, (_, users) in readers[s].items() for n in names if name.startswith(n + ".")}
+                for s in readers}
+    assert set(per_call[True]) == set(names) == set(per_call[False])
+    assert all(len(users) == 1 for users in per_call[True].values()), per_call[True]
+    assert len({users[0] for users in per_call[True].values()}) == 1
+    assert len(per_call[False]["cached_len"]) > 2, per_call[False]  # what staging removes
+    for (d0, h0), (d1, h1) in zip(outs[False], outs[True]):
+        np.testing.assert_array_equal(d0, d1)
+        assert np.asarray(h0).tobytes() == np.asarray(h1).tobytes()
+
+
+def _copy_allocation(fn, args, tmp_path, tag) -> str:
+    """The header of the allocation XLA's buffer assignment gave the staging copy (a concatenate fusion)."""
+    out = tmp_path / tag
+    jax.jit(fn).lower(*args).compile(compiler_options={"xla_dump_to": str(out)})
+    (path,) = [p for p in glob.glob(os.path.join(out, "*buffer-assignment.txt")) if "jit_" in os.path.basename(p)]
+    header = None
+    for line in open(path):
+        if line.startswith("allocation"):
+            header = line
+        elif "concatenate" in line and header is not None:
+            return header
+    raise AssertionError("no staging copy in the buffer assignment")
+
+
+def test_the_copy_never_lives_in_an_output(tmp_path):
+    """A program whose staged inputs are last read before a larger output is made: without `hold`, XLA's buffer
+    assignment puts the copy in that output's allocation (a fresh output of a caller that still holds the last one
+    moves, and with it every node reading the copy); with `hold` the copy stays a temporary of the program."""
+    def program(hold):
+        def fn(table, lengths, w):
+            (table, lengths), words = staging.stage((table, lengths))
+            pos = jnp.sum(table * lengths[:, None], axis=1).astype(jnp.float32)  # the copy's last reader
+            h = jnp.sin(jnp.tanh(w * pos[:, None]) @ (w.T @ w)) * 3
+            return staging.hold((h, pos), words) if hold else (h, pos)
+        return fn
+
+    args = (np.arange(600, dtype=np.int32).reshape(2, 300), np.array([5, 7], np.int32), np.ones((2, 4096), np.float32))
+    assert "maybe-live-out" in _copy_allocation(program(False), args, tmp_path, "without")
+    held = _copy_allocation(program(True), args, tmp_path, "with")
+    assert "live-out" not in held and "temp" in held, held
+    np.testing.assert_array_equal(jax.jit(program(True))(*args)[0], jax.jit(program(False))(*args)[0])
+
+
+def test_a_prefill_batch_stages_whole():
+    """Every field of the engine's prefill batch is staged (ints, bools, the sampling floats): one copy."""
+    B, T = 4, 8
+    i32 = lambda: np.arange(B, dtype=np.int32)  # noqa: E731
+    batch = PrefillBatch(tokens=np.ones((B, T), np.int32), cached_len=i32(), num_new=i32(), slot=i32(),
+                         last=np.ones(B, bool), pending_token=i32(), num_generated=i32(), max_new_tokens=i32(),
+                         ignore_eos=np.zeros(B, bool),
+                         sampling=SamplingMetadata(temperature=np.full(B, 0.7, np.float32), top_k=i32(),
+                                                   top_p=np.full(B, 0.9, np.float32), seed=i32()))
+    assert all(staging.stageable(a) for a in jax.tree.leaves(batch))
+    got = jax.jit(lambda b: staging.stage(b)[0])(batch)
+    for a, b in zip(jax.tree.leaves(batch), jax.tree.leaves(got)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.mark.parametrize("leaves", [1, 2])
+def test_even_one_leaf_is_copied(leaves):
+    """A single staged leaf is still copied (a concatenate of one array would be the array itself)."""
+    def fn(*xs):
+        xs, words = staging.stage(xs)
+        return staging.hold(tuple(x * 2 + 1 for x in xs), words)
+
+    xs = [np.arange(6, dtype=np.int32) + i for i in range(leaves)]
+    readers = entry_readers(jax.jit(fn).lower(*xs).compile().as_text())
+    users = [u for _, u in readers.values()]
+    assert len(users) == leaves and all(len(u) == 1 for u in users) and len({u[0] for u in users}) == 1
+    assert all("concatenate" in u[0] for u in users), users
+
+
+def test_diag_moved_counts_the_kernels_a_moved_buffer_re_records(tmp_path):
+    """bench/diag_moved.py, on a CPU compile's dump of a program whose lengths feed several kernels: unstaged, a moved
+    lengths parameter touches more than one kernel; staged, exactly one (the copy) — the same count the H200 programs'
+    dumps give in BENCHMARKS.md session 27 (propose, verify, round). A moved output touches at least its producer."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("diag_moved", os.path.join(os.path.dirname(__file__), "..",
+                                                                             "bench", "diag_moved.py"))
+    diag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diag)
+
+    def program(staged):
+        def fn(lengths, w):
+            if staged:
+                (lengths,), words = staging.stage((lengths,))
+            pos = lengths[:, None] + jnp.arange(8)
+            a = jnp.sin(w * pos) @ w.T
+            b = jnp.tanh(a + jnp.max(lengths)) @ w
+            c = jnp.cumsum(b * lengths[:, None], axis=1)
+            return staging.hold(c, words) if staged else c
+        return fn
+
+    args = (np.array([3, 9], np.int32), np.linspace(0, 1, 16, dtype=np.float32).reshape(2, 8))
+    counts = {}
+    for staged in (False, True):
+        out = tmp_path / str(staged)
+        jax.jit(program(staged)).lower(*args).compile(compiler_options={"xla_dump_to": str(out)})
+        hlo, assignment = diag.read_dump(str(out), "jit_fn")
+        kinds, where = diag.allocations(assignment)
+        kernels = diag.kernel_allocations(hlo, where)
+        _, lengths = diag.parse_set("lengths=p0", kinds)
+        outputs = diag.standard_sets(kinds)["outputs"]
+        counts[staged] = (diag.count(kernels, lengths), diag.count(kernels, outputs))
+    assert counts[False][0] > 1 and counts[True][0] == 1, counts
+    assert counts[False][1] >= 1 and counts[True][1] >= 1, counts

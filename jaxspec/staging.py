@@ -20,6 +20,7 @@ their bits).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,39 +48,72 @@ def _from_words(w, dtype):
     return w if dtype == _WORD else jax.lax.bitcast_convert_type(w, dtype)
 
 
-def stage(tree):
-    """(tree with its stageable leaves read from one fresh buffer, that buffer) — or (tree, None) if none is."""
+class Staged(NamedTuple):
+    words: jax.Array  # the copy of the staged inputs, a zero word last
+    pins: object  # None, or the outputs' buffers (a pytree), made with the copy at the program's start
+
+
+def stage(tree, outputs=None):
+    """(tree with its stageable leaves read from one fresh buffer, a Staged) — or (tree, None) if none is.
+
+    outputs: the program's fresh outputs as ShapeDtypeStructs (a pytree). Their buffers are then made here, at the
+    program's start, beside the copy, and `hold` writes the outputs into them in place: each output's allocation is live
+    from start to end, so XLA's buffer assignment can place no temporary in it, and a caller that moves an output
+    (a fresh output while it still holds the last one, or an allocator shifted by fresh inputs) moves only the
+    kernel that writes it, not every kernel whose temporaries shared its allocation (on the H200 programs: 13 of the
+    bs-1 propose's 110 kernels, 136 of the bs-64 one's, 437 of the verify step's; BENCHMARKS.md session 27)."""
     leaves, treedef = jax.tree.flatten(tree)
     picked = [i for i, a in enumerate(leaves) if stageable(a)]
     if not picked:
         return tree, None
     # a one-word tail: even a single leaf is copied (a concatenate of one array is the array itself)
     words = jnp.concatenate([_to_words(leaves[i]).reshape(-1) for i in picked] + [jnp.zeros((1,), _WORD)])
-    words = jax.lax.optimization_barrier(words)
+    pins = None if outputs is None else jax.tree.map(lambda o: jnp.zeros(o.shape, o.dtype), outputs)
+    words, pins = jax.lax.optimization_barrier((words, pins))
     out, at = list(leaves), 0
     for i in picked:
         a = leaves[i]
         n = math.prod(a.shape)
         out[i] = _from_words(words[at:at + n].reshape(a.shape), a.dtype)
         at += n
-    return treedef.unflatten(out), words
+    return treedef.unflatten(out), Staged(words, pins)
 
 
-def hold(outputs, words):
-    """outputs (fresh arrays, never donated state), each one big enough to hold `words` (stage's buffer, or None)
-    made while words is still live.
+def hold(outputs, staged):
+    """outputs (fresh arrays, never donated state), made while the copy is still live: written into the pinned
+    buffers if `stage` made them, else each one big enough to hold the copy selected by its zero tail.
 
-    Such a leaf is selected by words' zero tail: its value passes through bit for bit (a select, fused into the
-    leaf's producer where XLA can; after a library or Pallas call, one small kernel), and the copy's lifetime reaches
-    the output's definition, so that it cannot share that output's allocation. (An optimization barrier orders the
-    schedule but leaves no use behind: XLA's buffer assignment still put the copy in an output's allocation, checked
-    on the CPU.) A smaller output cannot hold the copy and is left alone."""
-    if words is None:
+    Both read the copy's last word (zero, which XLA cannot know), so the copy's lifetime reaches every output's
+    definition and the copy cannot share an output's allocation. (An optimization barrier orders the schedule but
+    leaves no use behind: XLA's buffer assignment still put the copy in an output's allocation, checked on the CPU.)
+    A pinned output is written by two dynamic-update-slices at that zero offset, in place in its buffer (`_write_into`);
+    a select passes the value
+    through bit for bit and fuses into the output's producer where XLA can. A smaller output cannot hold the copy and
+    is left alone."""
+    if staged is None:
         return outputs
-    keep = words[-1] == 0
+    words, pins = staged
+    zero = words[-1]
+    if pins is not None:
+        return jax.tree.map(lambda p, o: _write_into(p, o, zero), pins, outputs)
+    keep = zero == 0
     room = words.size * words.dtype.itemsize
 
     def held(a):
         return jnp.where(keep, a, jnp.zeros_like(a)) if a.size * a.dtype.itemsize >= room else a
 
     return jax.tree.map(held, outputs)
+
+
+def _write_into(pin, out, zero):
+    """`out` written into `pin` in place, in two pieces along its first axis longer than 1 (one update of the whole
+    buffer would be simplified by XLA into `out` itself, a buffer of its own again); a one-element output is returned
+    as it is (nothing smaller than it can share its allocation)."""
+    axis = next((i for i, n in enumerate(out.shape) if n > 1), None)
+    if axis is None:
+        return out
+    n = out.shape[axis]
+    at = [zero] * out.ndim
+    pin = jax.lax.dynamic_update_slice(pin, jax.lax.slice_in_dim(out, 0, 1, axis=axis), at)
+    at[axis] = zero + 1
+    return jax.lax.dynamic_update_slice(pin, jax.lax.slice_in_dim(out, 1, n, axis=axis), at)

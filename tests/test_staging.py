@@ -196,3 +196,50 @@ def test_diag_moved_counts_the_kernels_a_moved_buffer_re_records(tmp_path):
         counts[staged] = (diag.count(kernels, lengths), diag.count(kernels, outputs))
     assert counts[False][0] > 1 and counts[True][0] == 1, counts
     assert counts[False][1] >= 1 and counts[True][1] >= 1, counts
+
+
+def _output_values(fn, args, tmp_path, tag) -> list[str]:
+    """The values XLA's buffer assignment put in the allocation of the program's first output (f32[2, 4096], the
+    only output allocation of its size)."""
+    out = tmp_path / tag
+    jax.jit(fn).lower(*args).compile(compiler_options={"xla_dump_to": str(out)})
+    (path,) = [p for p in glob.glob(os.path.join(out, "*buffer-assignment.txt")) if "jit_" in os.path.basename(p)]
+    values, current = {}, None
+    for line in open(path):
+        m = re.match(r"allocation (\d+): size (\d+), (.*)", line)
+        if m:
+            output = "maybe-live-out" in m.group(3) and "parameter" not in m.group(3) and m.group(2) == "32768"
+            current = int(m.group(1)) if output else None
+        elif current is not None and line.startswith(" value:"):
+            values.setdefault(current, []).append(line.split()[2])
+    (found,) = values.values()
+    return found
+
+
+def test_pinned_outputs_hold_no_temporaries(tmp_path):
+    """stage(..., outputs=...) makes the outputs' buffers at the program's start and `hold` writes the outputs into
+    them in place (two dynamic-update-slices: one of the whole buffer XLA would fold back into the output itself):
+    the output's allocation then holds nothing but its own values, while without the pin XLA puts the program's
+    temporaries in it (the nodes a moved output makes XLA re-record). Values bit for bit either way."""
+    shapes = (jax.ShapeDtypeStruct((2, 4096), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.float32))
+
+    def program(pinned):
+        def fn(table, lengths, w):
+            (table, lengths), staged = staging.stage((table, lengths), outputs=shapes if pinned else None)
+            pos = jnp.sum(table * lengths[:, None], axis=1).astype(jnp.float32)
+            a = jnp.tanh(w * pos[:, None])
+            b = jnp.sin(a * 2.0) + jnp.cos(a)
+            h = jnp.sin(jnp.tanh(b * pos[:, None]) @ (w.T @ w)) * 3
+            return staging.hold((h, pos), staged)
+        return fn
+
+    args = (np.arange(600, dtype=np.int32).reshape(2, 300), np.array([5, 7], np.int32),
+            np.linspace(-1, 1, 2 * 4096, dtype=np.float32).reshape(2, 4096))
+    pinned = _output_values(program(True), args, tmp_path, "pinned")
+    loose = _output_values(program(False), args, tmp_path, "loose")
+    assert all(("broadcast" in v or "dynamic-update-slice" in v) for v in pinned), pinned
+    assert len(pinned) == 3, pinned  # the buffer made at the start, then its two in-place writes
+    assert len(loose) > 1, loose  # temporaries beside the output
+    got, want = jax.jit(program(True))(*args), jax.jit(program(False))(*args)
+    for g, w in zip(got, want):
+        assert np.asarray(g).tobytes() == np.asarray(w).tobytes()

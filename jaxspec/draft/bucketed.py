@@ -125,8 +125,13 @@ class BucketedDrafter:
         # drafts_out, h_out: with donate_outputs, the last call's outputs, donated (their values unused): jax aliases
         # each to the output of its shape, so the outputs keep their addresses from call to call
         words = None
-        if self.stage_inputs:
-            (table, cached_len, pending_token, slot), words = stage((pages.page_table, cached_len, pending_token, slot))
+        if self.stage_inputs:  # outputs pinned too, unless they are the donated buffers (stable already)
+            B = cached_len.shape[0]
+            outs = None if drafts_out is not None else (
+                jax.ShapeDtypeStruct((B, self.k), jnp.int32),
+                jax.ShapeDtypeStruct((B, self.acfg.backbone_hidden_size), target_embed.dtype))
+            (table, cached_len, pending_token, slot), words = stage((pages.page_table, cached_len, pending_token, slot),
+                                                                   outputs=outs)
             pages = dataclasses.replace(pages, page_table=table)
         out = draft(aparams, target_embed, kv, pages, cached_len, pending_token, seed_table[slot], acfg=self.acfg,
                     target=self.cfg, spec=self.cache.spec, k=self.k, use_kernels=self.use_kernels, fused=self.fused)

@@ -70,31 +70,32 @@ def test_a_misplaced_slice_fails_the_comparison(monkeypatch):
 
 def test_each_staged_parameter_is_read_by_the_copy_alone(pair):  # noqa: F811
     """BucketedDrafter's program (the tiny e2b pair's drafter, bucket 3): with stage_inputs, the page table, cached
-    lengths, pending tokens and seed rows are each read by one instruction, the same one; without, the cached lengths
-    are read by several (positions, masks, RoPE fused into each consumer) — what moves graph nodes on a GPU. Both
-    give the same drafts, bit for bit, on changing states."""
+    lengths, pending tokens and seed rows arrive as one packed parameter, read by one instruction (the copy); without,
+    as four, the cached lengths read by several (positions, masks, RoPE fused into each consumer) — what moves graph
+    nodes on a GPU. Both give the same drafts and h, bit for bit, on changing states (host inputs, and device inputs
+    packed on the device)."""
     cfg, params, acfg, aparams = pair
-    readers = {}
-    outs = {}
+    readers, outs = {}, {}
     for staged in (False, True):
         cache = make_cache(cfg)
         d = BucketedDrafter(aparams, acfg, params["embed"], cfg, 3, buckets=(3,), seed_slots=9, stage_inputs=staged)
         d.attach(cache)
-        readers[staged] = entry_readers(d.executables[3].as_text())
+        readers[staged] = {name.split(".")[0]: users for name, (_, users) in
+                           entry_readers(d.executables[3].as_text()).items()}
         outs[staged] = []
         for call in range(3):
             for rid in list(cache.pool.requests):
                 cache.pool.free(rid)
             _, _, pt, cl, pending = random_state(cfg, 3, seed=300 + call, cache=cache)
-            outs[staged].append(d.propose(pt, cl, pending, seed_table(acfg, 9, call), np.array([4, 1, 7], np.int32)))
-    names = ("pages_page_table", "cached_len", "pending_token", "slot")
-    per_call = {s: {n: users for name, (_, users) in readers[s].items() for n in names if name.startswith(n + ".")}
-                for s in readers}
-    assert set(per_call[True]) == set(names) == set(per_call[False])
-    assert all(len(users) == 1 for users in per_call[True].values()), per_call[True]
-    assert len({users[0] for users in per_call[True].values()}) == 1
-    assert len(per_call[False]["cached_len"]) > 2, per_call[False]  # what staging removes
-    for (d0, h0), (d1, h1) in zip(outs[False], outs[True]):
+            inputs = (pt, cl, pending, seed_table(acfg, 9, call), np.array([4, 1, 7], np.int32))
+            outs[staged].append(d.propose(*inputs))
+            if call == 2:  # device inputs too (packed on the device)
+                got = d.propose_bucket(3, *(jax.device_put(a) for a in inputs))
+                outs[staged].append(tuple(np.asarray(g) for g in got))
+    assert len(readers[True]["packed"]) == 1, readers[True]["packed"]
+    assert not {"cached_len", "pending_token", "slot", "pages_page_table"} & set(readers[True])
+    assert len(readers[False]["cached_len"]) > 2, readers[False]["cached_len"]  # what staging removes
+    for (d0, h0), (d1, h1) in zip(outs[False], outs[True], strict=True):
         np.testing.assert_array_equal(d0, d1)
         assert np.asarray(h0).tobytes() == np.asarray(h1).tobytes()
 

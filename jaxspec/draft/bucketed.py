@@ -93,9 +93,11 @@ class BucketedDrafter:
     call). With it, what `propose_bucket` returned is valid only until that bucket's next call (the engine's round
     programs donate their state the same way).
 
-    stage_inputs: the program copies its per-call inputs (page table, cached lengths, pending tokens, seed rows) into
-    one buffer of its own before anything reads them (`jaxspec.staging`), so that fresh input arrays each call move
-    one graph node instead of most of them; None: `$JAXSPEC_STAGE_INPUTS` (off unless 1)."""
+    stage_inputs: the per-call inputs (page table, cached lengths, pending tokens, seed rows) travel as one int32
+    array (packed on the host: one host -> device copy a call instead of four) that the program copies into one buffer
+    of its own before anything reads them, and the outputs' buffers are made at the program's start (`jaxspec.staging`),
+    so that fresh inputs each call move one graph node instead of most of them, and a moved output only the kernels
+    writing it; None: `$JAXSPEC_STAGE_INPUTS` (off unless 1)."""
 
     def __init__(self, aparams, acfg: AssistantConfig, target_embed, cfg: TargetConfig, k: int, *,
                  buckets=DEFAULT_BUCKETS, seed_slots: int | None = None, use_kernels: bool = True,
@@ -137,6 +139,26 @@ class BucketedDrafter:
                     target=self.cfg, spec=self.cache.spec, k=self.k, use_kernels=self.use_kernels, fused=self.fused)
         return hold(out, words)
 
+    def _packed_program(self, aparams, target_embed, kv, swa_of_full, packed, seed_table, drafts_out=None,
+                        h_out=None):
+        """_program with its per-call inputs in one int32 array: the page table's rows, cached_len, pending_token,
+        slot (`pack`)."""
+        P = self.cache.spec.max_pages_per_request
+        B = packed.shape[0] // (P + 3)
+        table, cached_len, pending_token, slot = (packed[:B * P].reshape(B, P), packed[B * P:B * P + B],
+                                                  packed[B * P + B:B * P + 2 * B], packed[B * P + 2 * B:])
+        pages = PageTables(page_table=table, swa_of_full=swa_of_full)
+        return self._program(aparams, target_embed, kv, pages, cached_len, pending_token, seed_table, slot,
+                             drafts_out, h_out)
+
+    @staticmethod
+    def pack(page_table, cached_len, pending_token, slot):
+        """The packed program's one input: on the host for host arrays (one transfer), else on the device."""
+        parts = (page_table, cached_len, pending_token, slot)
+        if any(isinstance(a, jax.Array) for a in parts):
+            return jnp.concatenate([jnp.asarray(a, jnp.int32).reshape(-1) for a in parts])
+        return np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in parts])
+
     def compile(self) -> None:
         """Compile every bucket against the cache's current shapes (ahead of time, off the serving path)."""
         cache, i32 = self.cache, jnp.int32
@@ -149,8 +171,13 @@ class BucketedDrafter:
             outs = (jax.ShapeDtypeStruct((b, self.k), i32),
                     jax.ShapeDtypeStruct((b, self.acfg.backbone_hidden_size), self.target_embed.dtype))
             previous = outs if self.donate_outputs else ()
-            self.executables[b] = compile_ahead(self._program, self.aparams, self.target_embed, cache.kv, pages, vec,
-                                                vec, seed_table, vec, *previous, compiler_options=self.compiler_options,
+            if self.stage_inputs:
+                packed = jax.ShapeDtypeStruct((b * (cache.spec.max_pages_per_request + 3),), i32)
+                fn, args = self._packed_program, (cache.kv, cache.swa_of_full, packed, seed_table)
+            else:
+                fn, args = self._program, (cache.kv, pages, vec, vec, seed_table, vec)
+            self.executables[b] = compile_ahead(fn, self.aparams, self.target_embed, *args, *previous,
+                                                compiler_options=self.compiler_options,
                                                 donate_argnames=("drafts_out", "h_out") if previous else (),
                                                 keep_unused=bool(previous),
                                                 precision=matmul_precision(self.target_embed.dtype))
@@ -160,7 +187,16 @@ class BucketedDrafter:
 
     def propose_bucket(self, bucket: int, page_table, cached_len, pending_token, seed_table, slot):
         """Inputs already padded to `bucket` rows (host numpy; seed_table [slots, H_target] on the device, `slot` the
-        row of each request in it). No tracing happens here."""
+        row of each request in it). No tracing happens here (but in `pack` for device inputs of a staged drafter)."""
+        if self.stage_inputs:
+            packed = self.pack(page_table, cached_len, pending_token, slot)
+            with jax.no_tracing(True):
+                out = self.executables[bucket](self.aparams, self.target_embed, self.cache.kv,
+                                               self.cache.swa_of_full, packed, seed_table,
+                                               *self.outputs.get(bucket, ()))
+            if self.donate_outputs:
+                self.outputs[bucket] = out
+            return out
         with jax.no_tracing(True):
             pages = PageTables(page_table=page_table, swa_of_full=self.cache.swa_of_full)
             out = self.executables[bucket](self.aparams, self.target_embed, self.cache.kv, pages, cached_len,

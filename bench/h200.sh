@@ -727,8 +727,10 @@ s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane a
   TEST_TIMEOUT=${TEST_TIMEOUT:-240} lp_lane
   traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
 s27-stage)  # issue #14 (session 27, first in the queue): JAXSPEC_STAGE_INPUTS — each program copies its per-call inputs
-  # into one buffer of its own first (jaxspec/staging.py), so that fresh input arrays move one CUDA-graph node instead of
-  # the ~147 of 209 (propose bs 1) XLA re-records today. STAGE_STEPS: any of "lane vlog bench" (all by default).
+  # into one buffer of its own first (jaxspec/staging.py), so that fresh input arrays move one CUDA-graph node; the
+  # drafter's inputs also travel packed (one transfer) and its outputs' buffers are made at the start (no temporary in
+  # them). Counted without a GPU (bench/diag_moved.py): re-recorded nodes when inputs and outputs move, propose bs 1
+  # 22 -> 7, bs 64 146 -> 7; verify's tokens 43 -> 1. STAGE_STEPS: any of "lane vlog bench" (all by default).
   # lane: its tests on the GPU (the drafter's bit-for-bit comparison and the engine's, Triton kernels); vlog: XLA's own
   # count of re-recorded nodes a call, the bs-1 propose bucketed against staged (20 calls each); bench: the goal rows'
   # programs called as the goal rows call them, staged beside unstaged in one process each, propose in both orders

@@ -13,8 +13,9 @@ addresses every call it ran in 597 instead of 807 us (BENCHMARKS.md session 20).
 reads them) behind an optimization barrier, so that every other node reads that copy: a temporary of the program,
 which sits at the same address call after call. `hold` keeps the copy alive until the program's outputs exist, so
 that XLA's buffer assignment cannot place it inside an output's allocation (a fresh output of a caller that still
-holds the last one moves). jvp / vmap never see these programs; values pass through bit for bit (floats travel as
-their bits).
+holds the last one moves). `stage(..., outputs=)` goes further and makes the outputs' own buffers at the start
+(`hold` then writes them in place), so that no temporary lives in an output's allocation either. jvp / vmap never
+see these programs; values pass through bit for bit (floats travel as their bits).
 """
 
 from __future__ import annotations
@@ -86,10 +87,9 @@ def hold(outputs, staged):
     Both read the copy's last word (zero, which XLA cannot know), so the copy's lifetime reaches every output's
     definition and the copy cannot share an output's allocation. (An optimization barrier orders the schedule but
     leaves no use behind: XLA's buffer assignment still put the copy in an output's allocation, checked on the CPU.)
-    A pinned output is written by two dynamic-update-slices at that zero offset, in place in its buffer (`_write_into`);
-    a select passes the value
-    through bit for bit and fuses into the output's producer where XLA can. A smaller output cannot hold the copy and
-    is left alone."""
+    A pinned output is written by two dynamic-update-slices at that zero offset, in place in its buffer
+    (`_write_into`); a select passes the value through bit for bit and fuses into the output's producer where XLA
+    can. A smaller output cannot hold the copy and is left alone."""
     if staged is None:
         return outputs
     words, pins = staged
@@ -108,7 +108,7 @@ def hold(outputs, staged):
 def _write_into(pin, out, zero):
     """`out` written into `pin` in place, in two pieces along its first axis longer than 1 (one update of the whole
     buffer would be simplified by XLA into `out` itself, a buffer of its own again); a one-element output is returned
-    as it is (nothing smaller than it can share its allocation)."""
+    as it is, not pinned."""
     axis = next((i for i, n in enumerate(out.shape) if n > 1), None)
     if axis is None:
         return out

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxspec.config import AssistantConfig, rope_inv_freq
 from jaxspec.model.gemma4 import REFERENCE_OPS, LayerOps, decoder_layers
-from jaxspec.model.layers import acc_dtype, linear, rms_norm, sqrt_scale
+from jaxspec.model.layers import acc_dtype, linear, sqrt_scale
 from jaxspec.pallas import draft_layer
 from jaxspec.pallas.paged_attention import query_rows
 

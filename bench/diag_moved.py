@@ -21,10 +21,12 @@ and any integer weights), the outputs that are not parameters, and the temp buff
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import re
+
+from jaxspec.cli import Parser, run_cli
+from jaxspec.config import ConfigError
 
 # instructions that run as a kernel (a GPU program's are fusions, custom calls, scatters, copies; a CPU compile's may
 # also leave a concatenate or an update unfused)
@@ -36,7 +38,7 @@ def read_dump(directory: str, module: str = "") -> tuple[str, str]:
     found = [p for p in glob.glob(os.path.join(directory, "*after_optimizations-buffer-assignment.txt"))
              if re.search(module, os.path.basename(p))]
     if len(found) != 1:
-        raise SystemExit(f"expected one buffer assignment matching {module!r} in {directory}, found {len(found)}")
+        raise ConfigError(f"expected one buffer assignment matching {module!r} in {directory}, found {len(found)}")
     hlo = found[0].replace("-buffer-assignment.txt", ".txt")
     with open(hlo) as f, open(found[0]) as g:
         return f.read(), g.read()
@@ -100,11 +102,18 @@ def standard_sets(kinds: dict) -> dict[str, set[int]]:
 
 
 def parse_set(spec: str, kinds: dict) -> tuple[str, set[int]]:
-    name, _, items = spec.partition("=")
+    name, sep, items = spec.partition("=")
+    if not (name and sep and re.fullmatch(r"p?\d+(,p?\d+)*", items)):
+        raise ConfigError(f"a set is NAME=ALLOC,pN,... (allocation indices, pN for entry parameter N), got {spec!r}")
     chosen = set()
-    for item in filter(None, items.split(",")):
+    for item in items.split(","):
         if item.startswith("p"):
-            chosen |= {a for a, (_, k) in kinds.items() if re.search(rf"parameter {int(item[1:])},", k)}
+            found = {a for a, (_, k) in kinds.items() if re.search(rf"parameter {int(item[1:])},", k)}
+            if not found:
+                raise ConfigError(f"{spec!r}: the program has no entry parameter {item[1:]}")
+            chosen |= found
+        elif int(item) not in kinds:
+            raise ConfigError(f"{spec!r}: the buffer assignment has no allocation {item}")
         else:
             chosen.add(int(item))
     return name, chosen
@@ -114,12 +123,17 @@ def count(kernels: list[tuple[str, set[int]]], moved: set[int]) -> int:
     return sum(1 for _, touched in kernels if touched & moved)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> int:
+    """Bad input (no dump, a malformed or unknown set) is one line on stderr and exit status 2."""
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("dump", help="the --xla_dump_to directory")
     p.add_argument("sets", nargs="*", help="name=ALLOC,pN,... (default: int parameters, outputs, both, temp)")
     p.add_argument("--module", default="", help="a regex picking the module when the dump holds several")
     args = p.parse_args(argv)
+    return run_cli(report, args)
+
+
+def report(args) -> int:
     hlo, assignment = read_dump(args.dump, args.module)
     kinds, where = allocations(assignment)
     kernels = kernel_allocations(hlo, where)
@@ -127,7 +141,8 @@ def main(argv=None) -> None:
     print(f"{len(kernels)} kernels")
     for name, moved in sets.items():
         print(f"{name} (allocations {sorted(moved)}): {count(kernels, moved)} kernels re-recorded when they move")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

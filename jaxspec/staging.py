@@ -20,6 +20,7 @@ see these programs; values pass through bit for bit (floats travel as their bits
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -78,6 +79,13 @@ def stage(tree, outputs=None):
         out[i] = _from_words(words[at:at + n].reshape(a.shape), a.dtype)
         at += n
     return treedef.unflatten(out), Staged(words, pins)
+
+
+def stage_step(inputs, pages, outputs=None):
+    """(inputs, pages, Staged): `stage` of a step's per-call inputs and its page table (a PageTables, whose other
+    field, the cache's own SWA translation, stays as it is: it does not move)."""
+    (inputs, table), staged = stage((inputs, pages.page_table), outputs=outputs)
+    return inputs, dataclasses.replace(pages, page_table=table), staged
 
 
 def hold(outputs, staged):

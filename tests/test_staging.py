@@ -7,8 +7,6 @@ so that on a GPU a fresh input array moves one graph node; the copy never lives 
 
 from __future__ import annotations
 
-import glob
-import os
 import re
 
 import jax
@@ -21,7 +19,10 @@ from jaxspec.draft.bucketed import BucketedDrafter
 from jaxspec.engine.programs import PrefillBatch
 from jaxspec.sampling import SamplingMetadata
 
+from test_bench import _bench_script
 from test_drafter import make_cache, pair, random_state, seed_table  # noqa: F401  (pair: the module fixture)
+
+DIAG = _bench_script("diag_moved")
 
 
 def entry_readers(text: str) -> dict[str, tuple[str, list[str]]]:
@@ -100,18 +101,19 @@ def test_each_staged_parameter_is_read_by_the_copy_alone(pair):  # noqa: F811
         assert np.asarray(h0).tobytes() == np.asarray(h1).tobytes()
 
 
-def _copy_allocation(fn, args, tmp_path, tag) -> str:
-    """The header of the allocation XLA's buffer assignment gave the staging copy (a concatenate fusion)."""
+def _assignment(fn, args, tmp_path, tag):
+    """XLA's buffer assignment of `fn` compiled on the CPU, read by bench/diag_moved.py: ({allocation: (size,
+    description)}, {(value, shape index): allocation})."""
     out = tmp_path / tag
     jax.jit(fn).lower(*args).compile(compiler_options={"xla_dump_to": str(out)})
-    (path,) = [p for p in glob.glob(os.path.join(out, "*buffer-assignment.txt")) if "jit_" in os.path.basename(p)]
-    header = None
-    for line in open(path):
-        if line.startswith("allocation"):
-            header = line
-        elif "concatenate" in line and header is not None:
-            return header
-    raise AssertionError("no staging copy in the buffer assignment")
+    return DIAG.allocations(DIAG.read_dump(str(out), "jit_")[1])
+
+
+def _copy_allocation(fn, args, tmp_path, tag) -> str:
+    """The description of the allocation XLA's buffer assignment gave the staging copy (a concatenate fusion)."""
+    kinds, where = _assignment(fn, args, tmp_path, tag)
+    (alloc,) = {a for (name, _), a in where.items() if "concatenate" in name}
+    return kinds[alloc][1]
 
 
 def test_the_copy_never_lives_in_an_output(tmp_path):
@@ -166,12 +168,7 @@ def test_diag_moved_counts_the_kernels_a_moved_buffer_re_records(tmp_path):
     """bench/diag_moved.py, on a CPU compile's dump of a program whose lengths feed several kernels: unstaged, a moved
     lengths parameter touches more than one kernel; staged, exactly one (the copy) — the same count the H200 programs'
     dumps give in BENCHMARKS.md session 27 (propose, verify, round). A moved output touches at least its producer."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("diag_moved", os.path.join(os.path.dirname(__file__), "..",
-                                                                             "bench", "diag_moved.py"))
-    diag = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(diag)
+    diag = DIAG
 
     def program(staged):
         def fn(lengths, w):
@@ -202,19 +199,9 @@ def test_diag_moved_counts_the_kernels_a_moved_buffer_re_records(tmp_path):
 def _output_values(fn, args, tmp_path, tag) -> list[str]:
     """The values XLA's buffer assignment put in the allocation of the program's first output (f32[2, 4096], the
     only output allocation of its size)."""
-    out = tmp_path / tag
-    jax.jit(fn).lower(*args).compile(compiler_options={"xla_dump_to": str(out)})
-    (path,) = [p for p in glob.glob(os.path.join(out, "*buffer-assignment.txt")) if "jit_" in os.path.basename(p)]
-    values, current = {}, None
-    for line in open(path):
-        m = re.match(r"allocation (\d+): size (\d+), (.*)", line)
-        if m:
-            output = "maybe-live-out" in m.group(3) and "parameter" not in m.group(3) and m.group(2) == "32768"
-            current = int(m.group(1)) if output else None
-        elif current is not None and line.startswith(" value:"):
-            values.setdefault(current, []).append(line.split()[2])
-    (found,) = values.values()
-    return found
+    kinds, where = _assignment(fn, args, tmp_path, tag)
+    (alloc,) = [a for a, (size, k) in kinds.items() if size == 32768 and "maybe-live-out" in k and "parameter" not in k]
+    return [name for (name, _), a in where.items() if a == alloc]
 
 
 def test_pinned_outputs_hold_no_temporaries(tmp_path):
@@ -244,3 +231,16 @@ def test_pinned_outputs_hold_no_temporaries(tmp_path):
     got, want = jax.jit(program(True))(*args), jax.jit(program(False))(*args)
     for g, w in zip(got, want):
         assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
+
+
+def test_diag_moved_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    """No dump, a malformed set, an unknown parameter or allocation: one line on stderr, exit status 2."""
+    out = tmp_path / "dump"
+    jax.jit(lambda x: x * 2).lower(np.arange(4, dtype=np.int32)).compile(compiler_options={"xla_dump_to": str(out)})
+    for argv in ([str(tmp_path / "none")], [str(out), "x"], [str(out), "x=p7"], [str(out), "x=999"],
+                 [str(out), "x=p0,"]):
+        assert DIAG.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, (argv, err)
+    assert DIAG.main([str(out), "x=p0"]) == 0
+    assert "x (allocations" in capsys.readouterr().out

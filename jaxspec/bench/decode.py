@@ -8,7 +8,6 @@ speculative round, k + 1 positions per row over the paged cache. The bound is th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 
 import jax
@@ -21,7 +20,7 @@ from jaxspec.config import LAYER_TYPES, SLIDING, TargetConfig, bench_pair
 from jaxspec.model import gemma4
 from jaxspec.model.weights import random_target_params
 from jaxspec.paged_kv.metadata import PageTables, step_metadata
-from jaxspec.staging import hold, stage
+from jaxspec.staging import hold, stage_step
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "staged"), donate_argnums=(1,))
@@ -31,8 +30,7 @@ def paged_decode_step(params, kv, pages: PageTables, tokens, cached_len, num_new
     (`jaxspec.staging`, as the engine's programs do with JAXSPEC_STAGE_INPUTS=1)."""
     words = None
     if staged:
-        (table, tokens, cached_len, num_new), words = stage((pages.page_table, tokens, cached_len, num_new))
-        pages = dataclasses.replace(pages, page_table=table)
+        (tokens, cached_len, num_new), pages, words = stage_step((tokens, cached_len, num_new), pages)
     meta = step_metadata(cfg, spec, pages, cached_len, num_new, tokens.shape[1], use_kernels=True)
     hidden, kv = gemma4.paged_forward(params, cfg, kv, meta, tokens, use_kernels=True)
     return hold(gemma4.logits(params, cfg, hidden[:, -1]), words), kv

@@ -13,8 +13,6 @@ instead of stalling. Padded rows use the dummy page and cached_len 0 (they see n
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +23,7 @@ from jaxspec.model.assistant import fused_supported, propose, propose_fused
 from jaxspec.model.gemma4 import layer_ops
 from jaxspec.paged_kv.cache import PagedKVCache, draft_attend, draft_attend_rows
 from jaxspec.paged_kv.metadata import CacheSpec, PageTables, draft_metadata
-from jaxspec.staging import hold, stage
+from jaxspec.staging import hold, stage_step
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -132,9 +130,8 @@ class BucketedDrafter:
             outs = None if drafts_out is not None else (
                 jax.ShapeDtypeStruct((B, self.k), jnp.int32),
                 jax.ShapeDtypeStruct((B, self.acfg.backbone_hidden_size), target_embed.dtype))
-            (table, cached_len, pending_token, slot), words = stage((pages.page_table, cached_len, pending_token, slot),
-                                                                   outputs=outs)
-            pages = dataclasses.replace(pages, page_table=table)
+            (cached_len, pending_token, slot), pages, words = stage_step((cached_len, pending_token, slot), pages,
+                                                                          outputs=outs)
         out = draft(aparams, target_embed, kv, pages, cached_len, pending_token, seed_table[slot], acfg=self.acfg,
                     target=self.cfg, spec=self.cache.spec, k=self.k, use_kernels=self.use_kernels, fused=self.fused)
         return hold(out, words)

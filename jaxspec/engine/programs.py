@@ -24,7 +24,7 @@ from jaxspec.draft.bucketed import draft
 from jaxspec.model import gemma4
 from jaxspec.paged_kv.metadata import CacheSpec, PageTables, step_metadata
 from jaxspec.sampling import SamplingMetadata
-from jaxspec.staging import hold, stage
+from jaxspec.staging import hold, stage_step
 
 
 @jax.tree_util.register_dataclass
@@ -140,8 +140,7 @@ class Programs:
         """(inputs, pages, the staging buffer): with stage_inputs, read from one copy made at the program's start."""
         if not self.stage_inputs:
             return inputs, pages, None
-        (inputs, table), words = stage((inputs, pages.page_table))
-        return inputs, dataclasses.replace(pages, page_table=table), words
+        return stage_step(inputs, pages)
 
     def decode_rounds(self, rounds: int, sample: bool):
         """R rounds; with draft_mode "eager" the drafts of its one round are an argument (the host's reference)."""

@@ -732,11 +732,12 @@ s27-stage)  # issue #14 (session 27, first in the queue): JAXSPEC_STAGE_INPUTS â
   # them). Counted without a GPU (bench/diag_moved.py): re-recorded nodes when inputs and outputs move, propose bs 1
   # 22 -> 7, bs 64 146 -> 7; verify's tokens 43 -> 1. STAGE_STEPS: any of "lane vlog bench" (all by default).
   # lane: its tests on the GPU (the drafter's bit-for-bit comparison and the engine's, Triton kernels); vlog: XLA's own
-  # count of re-recorded nodes a call, the bs-1 propose bucketed against staged (20 calls each); bench: the goal rows'
-  # programs called as the goal rows call them, staged beside unstaged in one process each, propose in both orders
+  # count of re-recorded nodes a call, the bs-1 propose bucketed against staged (20 calls each); bench (= propose verify
+  # decode, each also alone): the goal rows' programs called as the goal rows call them, staged beside unstaged in one process each, propose in both orders
   # (bucketed,staged then staged,bucketed), verify bs 1,16 and decode bs 1 (paged against paged-staged). All figures
   # are -experiment files (the goal rows themselves come from s26-goals with the switch's shipped value)
   steps=" ${STAGE_STEPS:-lane vlog bench} "; vm=command_buffer_thunk=3,command_executor=2
+  [[ $steps == *" bench "* ]] && steps="$steps propose verify decode "
   [[ $steps == *" lane "* ]] && { timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
     tests/test_staging.py tests/test_rounds.py -k "staging or staged or stages or copied or misplaced or copy" \
     > "$OUT/tests-stage.txt" 2>&1; grep -E "passed|failed|^FAILED" "$OUT/tests-stage.txt" | tail -6; }
@@ -747,16 +748,16 @@ s27-stage)  # issue #14 (session 27, first in the queue): JAXSPEC_STAGE_INPUTS â
     grep -oE "Updated [0-9]+ commands in [0-9]+" /tmp/sv-$v.log | awk '{n[$2]++; s[$2]+=$NF} END {for (k in n) \
       printf "  graph %s: %d updates, mean %.0f us\n", k, n[k], s[k]/n[k]}' | sort -t: -k2 -rn | head -4 \
       | tee "$OUT/stage-updates-$v.txt"; done
-  [[ $steps == *" bench "* ]] && {
-    for order in bucketed,staged staged,bucketed; do
+  [[ $steps == *" propose "* ]] && for order in bucketed,staged staged,bucketed; do
       timeout ${PROPOSE_TIMEOUT:-200} python3 -m jaxspec.bench propose --bs 1,64 --ctx 4096 --variants $order \
         --json "$OUT/propose-stage-${order%%,*}-first-experiment.json" > "$OUT/propose-stage-${order%%,*}-first.log" 2>&1
       echo "== $order"; grep -h "^propose ctx\|Error" "$OUT/propose-stage-${order%%,*}-first.log" | head -3; done
-    timeout ${VERIFY_TIMEOUT:-260} python3 -m jaxspec.bench verify --bs 1,16 --cache paged,paged-staged \
+  [[ $steps == *" verify "* ]] && { timeout ${VERIFY_TIMEOUT:-260} python3 -m jaxspec.bench verify --bs 1,16 --cache paged,paged-staged \
       --json "$OUT/verify-stage-experiment.json" > "$OUT/verify-stage.log" 2>&1
-    timeout ${DECODE_TIMEOUT:-160} python3 -m jaxspec.bench decode --bs 1 --cache paged,paged-staged \
+    grep -h "^step of\|Error" "$OUT/verify-stage.log" | head -8; }
+  [[ $steps == *" decode "* ]] && { timeout ${DECODE_TIMEOUT:-160} python3 -m jaxspec.bench decode --bs 1 --cache paged,paged-staged \
       --json "$OUT/decode-stage-experiment.json" > "$OUT/decode-stage.log" 2>&1
-    grep -h "^step of\|Error" "$OUT/verify-stage.log" "$OUT/decode-stage.log" | head -8; }; true ;;
+    grep -h "^step of\|Error" "$OUT/decode-stage.log" | head -8; }; true ;;
 s24-graph)  # issue #14 (next): `bench graph` on the device (XLA's autotuned GEMMs): launches a call of propose bs 1/64,
   # verify bs 1/16, decode bs 1 and the engine's round (bs 1, R 1). Session 24 counted, for an H200 described to XLA on
   # a CPU: 110, 184, 783, 791, 983 and the round's; the traces: verify bs 1 783 (session 17), propose bs 1 110 + 4 input

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxspec.bench.common import (DTYPE, NUM_SETS, PRESET_NAMES, gib, median_us, memory_note, names_from, paged_cache,
                                   positive, print_table, profile_calls, randomize, sizes)
-from jaxspec.config import LAYER_TYPES, SLIDING, TargetConfig, bench_pair
+from jaxspec.config import LAYER_TYPES, SLIDING, TargetConfig, bench_pair, env_switch
 from jaxspec.model import gemma4
 from jaxspec.model.weights import random_target_params
 from jaxspec.paged_kv.metadata import PageTables, step_metadata
@@ -81,7 +81,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "programs: its inputs the same device buffers every call, its output written into the buffer "
                    "its last call returned, so that XLA need not re-record the CUDA graph's nodes for moved "
                    "buffers), paged-staged (paged, called as paged is, its per-call inputs copied into one buffer "
-                   "of the step's own first: JAXSPEC_STAGE_INPUTS); both = dense,paged")
+                   "of the step's own first, as paged does with JAXSPEC_STAGE_INPUTS=1); both = dense,paged")
     p.add_argument("--unstacked", action="store_true", help="also time the paged step with per-layer weight leaves "
                    "(one array per layer instead of one stack per layer group)")
 
@@ -140,6 +140,7 @@ def run(args) -> dict:
         unstacked = dict(params, layers={g: {n: tuple(a[i] for i in range(a.shape[0])) for n, a in w.items()}
                                          for g, w in params["layers"].items()})
     rows, needs, first = [], [], {}
+    staged_env = env_switch("JAXSPEC_STAGE_INPUTS") is True  # paged follows the switch, as the engine's programs do
     for ctx in args.ctx:
         for bs in args.bs:
             need = decode_bytes(cfg, params, bs, ctx)
@@ -152,7 +153,8 @@ def run(args) -> dict:
                     call, leaves, note = dense_decode(params, cfg, bs, ctx, tokens, args.seed)
                 elif mode in ("paged", "paged-stable", "paged-staged"):
                     call, leaves, note = paged_decode(params, cfg, bs, ctx, tokens, args,
-                                                      stable=mode == "paged-stable", staged=mode == "paged-staged")
+                                                      stable=mode == "paged-stable",
+                                                      staged=mode == "paged-staged" or (mode == "paged" and staged_env))
                 else:
                     call, leaves, note = paged_decode(unstacked, cfg, bs, ctx, tokens, args)
                 step_us = median_us(call, args.iters, num_sets=1 if mode == "paged-stable" else NUM_SETS)

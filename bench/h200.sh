@@ -726,6 +726,17 @@ s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane a
   # goal, never traced) traced with every kernel listed
   TEST_TIMEOUT=${TEST_TIMEOUT:-240} lp_lane
   traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
+s28-stage-goals)  # issue #14 (session 28, first): the propose goal rows (E4B drafter, k 3, 4K, bs 1 and 64, the
+  # bucketed program as the goal rows call it) with JAXSPEC_STAGE_INPUTS 0, 1, 0, 1 in four processes (the first two
+  # compile, the others load from the persistent cache): the A/B in goal-row form, so that if the switch ships on its
+  # files are that configuration's goal rows; then, as time allows, decode bs 1 paged against paged-staged (one process)
+  i=0; for v in 0 1 0 1; do i=$((i + 1))
+    JAXSPEC_STAGE_INPUTS=$v timeout ${PROPOSE_TIMEOUT:-200} python3 -m jaxspec.bench propose --bs 1,64 --ctx 4096 \
+      --variants bucketed --json "$OUT/propose-goals-stage$v-run$i.json" >> "$OUT/propose-goals-stage.log" 2>&1
+    echo "== JAXSPEC_STAGE_INPUTS=$v (run $i)"; grep "^propose ctx\|Error" "$OUT/propose-goals-stage.log" | tail -2; done
+  [ -n "${WITH_DECODE:-}" ] && { timeout ${DECODE_TIMEOUT:-160} python3 -m jaxspec.bench decode --bs 1 --cache \
+    paged,paged-staged --json "$OUT/decode-stage-experiment.json" > "$OUT/decode-stage.log" 2>&1
+    grep -h "^step of\|paged\|Error" "$OUT/decode-stage.log" | head -8; }; true ;;
 s27-stage)  # issue #14 (session 27, first in the queue): JAXSPEC_STAGE_INPUTS — each program copies its per-call inputs
   # into one buffer of its own first (jaxspec/staging.py), so that fresh input arrays move one CUDA-graph node; the
   # drafter's inputs also travel packed (one transfer) and its outputs' buffers are made at the start (no temporary in

@@ -730,7 +730,7 @@ s28-stage-goals)  # issue #14 (session 28, first): the propose goal rows (E4B dr
   # bucketed program as the goal rows call it) with JAXSPEC_STAGE_INPUTS 0, 1, 0, 1 in four processes (the first two
   # compile, the others load from the persistent cache): the A/B in goal-row form, so that if the switch ships on its
   # files are that configuration's goal rows; then, as time allows, decode bs 1 paged against paged-staged (one process)
-  i=0; for v in 0 1 0 1; do i=$((i + 1))
+  i=0; for v in ${STAGE_ORDER:-0 1 0 1}; do i=$((i + 1))
     JAXSPEC_STAGE_INPUTS=$v timeout ${PROPOSE_TIMEOUT:-200} python3 -m jaxspec.bench propose --bs 1,64 --ctx 4096 \
       --variants bucketed --json "$OUT/propose-goals-stage$v-run$i.json" >> "$OUT/propose-goals-stage.log" 2>&1
     echo "== JAXSPEC_STAGE_INPUTS=$v (run $i)"; grep "^propose ctx\|Error" "$OUT/propose-goals-stage.log" | tail -2; done

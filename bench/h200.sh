@@ -69,6 +69,9 @@
 # Next: s27-first (the kernel's GPU lane alone, the bs-64 propose traced), then session 24's list.
 # session 27 (issue #14, no device time; the per-call inputs staged, JAXSPEC_STAGE_INPUTS): next, s27-stage first (its GPU
 # lane, XLA's count of updated nodes a propose call, the goal rows' programs staged against not), then s27-first.
+# session 28 (issue #14): s28-stage-goals (STAGE_ORDER "0 1 0", then "1"), s27-stage's verify step, then the verify /
+# decode goal rows with the switch 1, 0, 1: staged inputs on by default. Next: STAGE_STEPS="lane vlog" s27-stage (the
+# staging tests on the GPU, XLA's updated-node count), s27-first, then session 24's list.
 # Compile caches between calls and sessions: `CACHE_OUT=1 bash bench/h200.sh PART` returns the part's compile cache as
 # $OUT/jaxcache-part-* (15 MiB each; the device returns 8 files, 64 MiB in all); copy them into .jaxcache/ (ignored)
 # and name ".jaxcache" in the next call's carry: every part unpacks it first (untried on the device as of session 26).

@@ -28,9 +28,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.config import env_switch
+
 # leaves staged: 32-bit and bool arrays up to this size (the per-call metadata; never weights, K/V or hidden rows)
 MAX_LEAF_BYTES = 1 << 18
 _WORD = jnp.int32
+
+
+def enabled() -> bool:
+    """JAXSPEC_STAGE_INPUTS: on unless 0. On the H200 (BENCHMARKS.md session 28, goal-row processes side by side) the
+    bs-64 propose ran 3 214 against 3 453 us, the bs-1 verify step 4.51 against 4.65 ms, bs 16 6.91 against 7.01, the
+    decode step 4.47 against 4.58; the bs-1 propose tied (726 / 725 us)."""
+    return env_switch("JAXSPEC_STAGE_INPUTS") is not False
 
 
 def stageable(a) -> bool:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import bench
+from jaxspec import bench, staging
 from jaxspec.bench import common, graph
 from jaxspec.bench.decode import paged_decode_step
 from jaxspec.config import bench_pair
@@ -88,7 +88,8 @@ def tiny_real():
     pages = PageTables(page_table=jnp.asarray(cache.pool.page_table(rids)), swa_of_full=cache.swa_of_full)
     vec = jnp.zeros(bs, jnp.int32)
     verify = paged_decode_step.lower(gemma4.stored_params(target), cache.kv, pages, jnp.zeros((bs, k + 1), jnp.int32),
-                                     vec, vec, cfg=cfg, spec=cache.spec).compile()
+                                     vec, vec, cfg=cfg, spec=cache.spec,
+                                     staged=staging.enabled()).compile()  # as `bench verify`'s paged step
     engine = Engine(cfg, target, acfg=acfg, aparams=drafter.aparams, k=k, draft_mode="bucketed", buckets=(bs,),
                     max_running=bs, page_size=page, max_context=ctx, use_kernels=True)
     engine.warmup(prime=False)

@@ -415,19 +415,22 @@ def test_pinned_output_engine_equals_transformers_greedy(oracle, monkeypatch, ro
 
 
 def test_staged_inputs_engine_equals_transformers_greedy_and_unstaged_sampling(oracle, monkeypatch):
-    """JAXSPEC_STAGE_INPUTS=1 (off by default): the prefill and decode programs read their per-call inputs (the
-    prefill batch, slots, page tables) from one copy made at the program's start (`jaxspec.staging`). At R 2 with
-    overlap and page size 4 (the page tables change every round or two) the engine gives transformers' greedy
-    continuations; sampled requests (temperature, top-k, top-p and seeds staged as bits) give the very tokens the
-    unstaged programs give."""
+    """JAXSPEC_STAGE_INPUTS (on by default since session 28; 0 turns it off): the prefill and decode programs read
+    their per-call inputs (the prefill batch, slots, page tables) from one copy made at the program's start
+    (`jaxspec.staging`). At R 2 with overlap and page size 4 (the page tables change every round or two) the engine
+    gives transformers' greedy continuations; sampled requests (temperature, top-k, top-p and seeds staged as bits)
+    give the very tokens the unstaged programs (JAXSPEC_STAGE_INPUTS=0) give."""
     cfg, params, acfg, aparams, prompts, outs = oracle
     sampled = {}
-    for switch in ("1", "0"):
-        monkeypatch.setenv("JAXSPEC_STAGE_INPUTS", switch)
+    for switch in (None, "0"):
+        if switch is None:
+            monkeypatch.delenv("JAXSPEC_STAGE_INPUTS", raising=False)
+        else:
+            monkeypatch.setenv("JAXSPEC_STAGE_INPUTS", switch)
         eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
                      max_context=64, prefill_chunk=8, rounds_per_call=2, overlap=True)
-        assert eng.runner.programs.stage_inputs == (switch == "1")
-        if switch == "1":
+        assert eng.runner.programs.stage_inputs == (switch is None)
+        if switch is None:
             reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
             eng.generate(reqs)
             assert [r.output_ids for r in reqs] == [o[:12] for o in outs]
@@ -435,8 +438,8 @@ def test_staged_inputs_engine_equals_transformers_greedy_and_unstaged_sampling(o
                                                             max_new_tokens=10)) for i, p in enumerate(prompts)]
         eng.generate(reqs)
         sampled[switch] = [r.output_ids for r in reqs]
-    assert sampled["1"] == sampled["0"]
-    assert len({tuple(s) for s in sampled["1"]}) > 1
+    assert sampled[None] == sampled["0"]
+    assert len({tuple(s) for s in sampled[None]}) > 1
 
 
 @pytest.mark.parametrize("switch", [None, "0"], ids=["default", "off"])

@@ -16,7 +16,8 @@ import numpy as np
 
 from jaxspec.bench.common import (DTYPE, NUM_SETS, PRESET_NAMES, gib, median_us, memory_note, names_from, paged_cache,
                                   positive, print_table, profile_calls, randomize, sizes)
-from jaxspec.config import LAYER_TYPES, SLIDING, TargetConfig, bench_pair, env_switch
+from jaxspec import staging
+from jaxspec.config import LAYER_TYPES, SLIDING, TargetConfig, bench_pair
 from jaxspec.model import gemma4
 from jaxspec.model.weights import random_target_params
 from jaxspec.paged_kv.metadata import PageTables, step_metadata
@@ -27,7 +28,7 @@ from jaxspec.staging import hold, stage_step
 def paged_decode_step(params, kv, pages: PageTables, tokens, cached_len, num_new, *, cfg, spec, staged=False):
     """One target step over the paged cache (Pallas kernels) -> (fp32 logits of the last position [B, V], kv).
     staged: the step's per-call inputs (tokens, lengths, page table) copied into one buffer of its own first
-    (`jaxspec.staging`, as the engine's programs do with JAXSPEC_STAGE_INPUTS=1)."""
+    (`jaxspec.staging`, as the engine's programs do unless JAXSPEC_STAGE_INPUTS=0)."""
     words = None
     if staged:
         (tokens, cached_len, num_new), pages, words = stage_step((tokens, cached_len, num_new), pages)
@@ -81,7 +82,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "programs: its inputs the same device buffers every call, its output written into the buffer "
                    "its last call returned, so that XLA need not re-record the CUDA graph's nodes for moved "
                    "buffers), paged-staged (paged, called as paged is, its per-call inputs copied into one buffer "
-                   "of the step's own first, as paged does with JAXSPEC_STAGE_INPUTS=1); both = dense,paged")
+                   "of the step's own first, as paged does unless JAXSPEC_STAGE_INPUTS=0); both = dense,paged")
     p.add_argument("--unstacked", action="store_true", help="also time the paged step with per-layer weight leaves "
                    "(one array per layer instead of one stack per layer group)")
 
@@ -140,7 +141,7 @@ def run(args) -> dict:
         unstacked = dict(params, layers={g: {n: tuple(a[i] for i in range(a.shape[0])) for n, a in w.items()}
                                          for g, w in params["layers"].items()})
     rows, needs, first = [], [], {}
-    staged_env = env_switch("JAXSPEC_STAGE_INPUTS") is True  # paged follows the switch, as the engine's programs do
+    staged_env = staging.enabled()  # paged follows the switch, as the engine's programs do
     for ctx in args.ctx:
         for bs in args.bs:
             need = decode_bytes(cfg, params, bs, ctx)

@@ -117,7 +117,7 @@ SHIPPED_SWITCHES = {"JAXSPEC_PRIME": "1", "JAXSPEC_GC_FREEZE": "1", "JAXSPEC_UNR
                     "JAXSPEC_ATTN_PREFETCH": "0", "JAXSPEC_FUSED_NORMS": "0",
                     "JAXSPEC_JOINT_QK_NORM": "1", "JAXSPEC_GEMV": "0", "JAXSPEC_SPLIT_PRODUCTS": "0",
                     "JAXSPEC_PIN_OUTPUT": "0", "JAXSPEC_QKV_KERNEL": "0",
-                    "JAXSPEC_LAYER_PRODUCTS": "0", "JAXSPEC_STAGE_INPUTS": "0"}
+                    "JAXSPEC_LAYER_PRODUCTS": "0", "JAXSPEC_STAGE_INPUTS": "1"}
 
 
 def switch_matters(name: str, record: dict) -> bool:

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
+from jaxspec import staging
 from jaxspec.bench.common import DTYPE, PRESET_NAMES, names_from, positive, print_table, sizes
 from jaxspec.config import FULL, AssistantConfig, ConfigError, TargetConfig, bench_pair, env_switch
 from jaxspec.paged_kv.cache import LayerKV
@@ -216,7 +217,7 @@ def compiled_text(program: str, preset: str, bs: int, ctx: int, k: int, page_siz
     from jaxspec.model import gemma4
 
     cfg, acfg = bench_pair(preset)
-    staged = env_switch("JAXSPEC_STAGE_INPUTS") is True  # as the engine's programs and BucketedDrafter take it
+    staged = staging.enabled()  # as the engine's programs and BucketedDrafter take it
     sharding = SingleDeviceSharding(device)
     spec, target, assistant, kv, pages = abstract_state(cfg, acfg, bs, ctx, page_size, sharding)
     if program == "propose":

@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.aot import compile_ahead, matmul_precision
-from jaxspec.config import AssistantConfig, TargetConfig, env_switch
+from jaxspec.config import AssistantConfig, TargetConfig
 from jaxspec.model.assistant import fused_supported, propose, propose_fused
 from jaxspec.model.gemma4 import layer_ops
 from jaxspec.paged_kv.cache import PagedKVCache, draft_attend, draft_attend_rows
 from jaxspec.paged_kv.metadata import CacheSpec, PageTables, draft_metadata
+from jaxspec import staging
 from jaxspec.staging import hold, stage_step
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -95,7 +96,7 @@ class BucketedDrafter:
     array (packed on the host: one host -> device copy a call instead of four) that the program copies into one buffer
     of its own before anything reads them, and the outputs' buffers are made at the program's start (`jaxspec.staging`),
     so that fresh inputs each call move one graph node instead of most of them, and a moved output only the kernels
-    writing it; None: `$JAXSPEC_STAGE_INPUTS` (off unless 1)."""
+    writing it; None: `$JAXSPEC_STAGE_INPUTS` (on unless 0)."""
 
     def __init__(self, aparams, acfg: AssistantConfig, target_embed, cfg: TargetConfig, k: int, *,
                  buckets=DEFAULT_BUCKETS, seed_slots: int | None = None, use_kernels: bool = True,
@@ -108,7 +109,7 @@ class BucketedDrafter:
         self.buckets = buckets
         self.seed_slots = seed_slots or buckets[-1] + 1
         self.use_kernels, self.fused, self.donate_outputs = use_kernels, fused, donate_outputs
-        self.stage_inputs = env_switch("JAXSPEC_STAGE_INPUTS") is True if stage_inputs is None else stage_inputs
+        self.stage_inputs = staging.enabled() if stage_inputs is None else stage_inputs
         self.outputs: dict[int, tuple] = {}  # with donate_outputs: each bucket's last outputs, donated to its next call
         # e.g. {"xla_gpu_enable_command_buffer": ""} to measure what the graphs buy; on top of DRAFT_COMPILER_OPTIONS
         self.compiler_options = {**DRAFT_COMPILER_OPTIONS, **(compiler_options or {})}

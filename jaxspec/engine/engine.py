@@ -18,6 +18,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from jaxspec import staging
 from jaxspec.config import AssistantConfig, ConfigError, TargetConfig, check_pair, env_switch
 from jaxspec.draft.eager import EagerDrafter
 from jaxspec.engine.config import EngineConfig
@@ -90,7 +91,7 @@ class Engine:
                             use_kernels=self.use_kernels, eos=eos, fused_draft=c.fused_draft, mesh=self.mesh,
                             unroll_rounds=env_switch("JAXSPEC_UNROLL_ROUNDS") is not False,
                             invariant_positions=c.batch_invariant, pin_output=env_switch("JAXSPEC_PIN_OUTPUT") is True,
-                            stage_inputs=env_switch("JAXSPEC_STAGE_INPUTS") is True)
+                            stage_inputs=staging.enabled())
         weights = Weights(target=params, assistant=aparams if c.draft_mode == "bucketed" else None)
         self.runner = Runner(c, programs, weights, self.cache)
         self.drafter = None

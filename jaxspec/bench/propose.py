@@ -40,8 +40,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "fused kernels, larger ones through the jnp step with the attention kernel), stable (bucketed "
                    "with its inputs on the device, the same buffers every call, and its outputs written into the "
                    "buffers its last call returned: the addresses the engine's round programs see), staged (bucketed, "
-                   "called as bucketed is, its inputs copied into one buffer of the program's own first: "
-                   "JAXSPEC_STAGE_INPUTS), fused (the "
+                   "called as bucketed is, its inputs copied into one buffer of the program's own first: what bucketed "
+                   "is unless JAXSPEC_STAGE_INPUTS=0), fused (the "
                    "fused kernels at every bucket), fused_stable (fused, called as stable is), unfused (the jnp "
                    "step at every bucket), unfused_stable, no_cmd_buffer (bucketed without command buffers), "
                    "eager; the first one is traced with --profile-dir")

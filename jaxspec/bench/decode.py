@@ -14,14 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import staging
 from jaxspec.bench.common import (DTYPE, NUM_SETS, PRESET_NAMES, gib, median_us, memory_note, names_from, paged_cache,
                                   positive, print_table, profile_calls, randomize, sizes)
-from jaxspec import staging
 from jaxspec.config import LAYER_TYPES, SLIDING, TargetConfig, bench_pair
 from jaxspec.model import gemma4
 from jaxspec.model.weights import random_target_params
 from jaxspec.paged_kv.metadata import PageTables, step_metadata
-from jaxspec.staging import hold, stage_step
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "staged"), donate_argnums=(1,))
@@ -31,10 +30,10 @@ def paged_decode_step(params, kv, pages: PageTables, tokens, cached_len, num_new
     (`jaxspec.staging`, as the engine's programs do unless JAXSPEC_STAGE_INPUTS=0)."""
     words = None
     if staged:
-        (tokens, cached_len, num_new), pages, words = stage_step((tokens, cached_len, num_new), pages)
+        (tokens, cached_len, num_new), pages, words = staging.stage_step((tokens, cached_len, num_new), pages)
     meta = step_metadata(cfg, spec, pages, cached_len, num_new, tokens.shape[1], use_kernels=True)
     hidden, kv = gemma4.paged_forward(params, cfg, kv, meta, tokens, use_kernels=True)
-    return hold(gemma4.logits(params, cfg, hidden[:, -1]), words), kv
+    return staging.hold(gemma4.logits(params, cfg, hidden[:, -1]), words), kv
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnums=(1, 2), keep_unused=True)

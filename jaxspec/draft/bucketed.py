@@ -24,7 +24,6 @@ from jaxspec.model.gemma4 import layer_ops
 from jaxspec.paged_kv.cache import PagedKVCache, draft_attend, draft_attend_rows
 from jaxspec.paged_kv.metadata import CacheSpec, PageTables, draft_metadata
 from jaxspec import staging
-from jaxspec.staging import hold, stage_step
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -131,11 +130,11 @@ class BucketedDrafter:
             outs = None if drafts_out is not None else (
                 jax.ShapeDtypeStruct((B, self.k), jnp.int32),
                 jax.ShapeDtypeStruct((B, self.acfg.backbone_hidden_size), target_embed.dtype))
-            (cached_len, pending_token, slot), pages, words = stage_step((cached_len, pending_token, slot), pages,
-                                                                          outputs=outs)
+            (cached_len, pending_token, slot), pages, words = staging.stage_step(
+                (cached_len, pending_token, slot), pages, outputs=outs)
         out = draft(aparams, target_embed, kv, pages, cached_len, pending_token, seed_table[slot], acfg=self.acfg,
                     target=self.cfg, spec=self.cache.spec, k=self.k, use_kernels=self.use_kernels, fused=self.fused)
-        return hold(out, words)
+        return staging.hold(out, words)
 
     def _packed_program(self, aparams, target_embed, kv, swa_of_full, packed, seed_table, drafts_out=None,
                         h_out=None):

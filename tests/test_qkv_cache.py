@@ -52,16 +52,25 @@ def run(fn, ops, layer, has_v, v_norm):
     return jax.jit(call)(out, cos, sin, ks, vs, slots, qn.stack, kn.stack)
 
 
+def tolerance(dtype, want) -> dict:
+    """assert_allclose's tolerance: a relative ulp of the dtype, and for bf16 an absolute one ulp at the compared
+    values' largest magnitude. A rotated value is x1·cos − x2·sin of two normed values rounded to the dtype, so when
+    they cancel, one ulp of difference in x1 or x2 (the head's scale in another fp32 summation order) is far more than
+    an ulp of the small result: on the H200 one value of 768 came out 0.1670 against 0.1729 (session 29's GPU lane)."""
+    if dtype == jnp.bfloat16:
+        return dict(rtol=2**-7, atol=2**-7 * max(float(np.max(np.abs(want))), 1.0))
+    return dict(rtol=2e-6, atol=2e-6 * 8)
+
+
 def check(got, want, dtype, slots, layer):
     q, k_stack, v_stack = (np.asarray(x, np.float32) for x in got)
     wq, wk, wv = (np.asarray(x, np.float32) for x in want)
-    tol = dict(rtol=2**-7, atol=2**-7 * 2**-4 * 8) if dtype == jnp.bfloat16 else dict(rtol=2e-6, atol=2e-6 * 8)
-    np.testing.assert_allclose(q, wq, **tol)
+    np.testing.assert_allclose(q, wq, **tolerance(dtype, wq))
     written = np.zeros((L, S), bool)
     written[layer, np.asarray(slots).reshape(-1)] = True
     written[:, 0] = False  # slot 0: padding, never written
     for g, w in ((k_stack, wk), (v_stack, wv)):
-        np.testing.assert_allclose(g[written], w[written], **tol)
+        np.testing.assert_allclose(g[written], w[written], **tolerance(dtype, w[written]))
         np.testing.assert_array_equal(g[~written], w[~written])  # untouched rows: the same bits
 
 
@@ -123,8 +132,7 @@ def test_q_rope_matches_reference(dtype):
     """A KV-shared layer's q: `q_rope` against `q_rope_ref` (gemma4.qkv's norm and rotation of a layer without K/V)."""
     ops = operands(dtype, True)
     got, want = (np.asarray(x, np.float32) for x in (run_q(qc.q_rope, ops), run_q(qc.q_rope_ref, ops)))
-    tol = dict(rtol=2**-7, atol=2**-7 * 2**-4 * 8) if dtype == jnp.bfloat16 else dict(rtol=2e-6, atol=2e-6 * 8)
-    np.testing.assert_allclose(got, want, **tol)
+    np.testing.assert_allclose(got, want, **tolerance(dtype, want))
     # and the same q as the q/k/v kernel's for the same heads and weights
     np.testing.assert_array_equal(np.asarray(run(qc.qkv_cache, ops, 1, True, True)[0], np.float32), got)
 
@@ -139,7 +147,7 @@ def test_q_rope_comparison_has_teeth(broken):
     else:
         got = run_q(qc.q_rope, ops, qn_index=(0,))
     with pytest.raises(AssertionError):
-        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-7, atol=2**-7 * 2**-4 * 8)
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, **tolerance(jnp.bfloat16, want))
 
 
 def test_qkv_cache_falls_back_outside_its_shapes():

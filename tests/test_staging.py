@@ -225,7 +225,9 @@ def test_pinned_outputs_hold_no_temporaries(tmp_path):
             np.linspace(-1, 1, 2 * 4096, dtype=np.float32).reshape(2, 4096))
     pinned = _output_values(program(True), args, tmp_path, "pinned")
     loose = _output_values(program(False), args, tmp_path, "loose")
-    assert all(("broadcast" in v or "dynamic-update-slice" in v) for v in pinned), pinned
+    # instruction names as the backend's fusion pass leaves them: the CPU's `dynamic-update-slice.1`, the GPU's
+    # `loop_dynamic_update_slice_fusion.1`
+    assert all(("broadcast" in v or "dynamic-update-slice" in v.replace("_", "-")) for v in pinned), pinned
     assert len(pinned) == 3, pinned  # the buffer made at the start, then its two in-place writes
     assert len(loose) > 1, loose  # temporaries beside the output
     got, want = jax.jit(program(True))(*args), jax.jit(program(False))(*args)

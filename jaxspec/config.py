@@ -38,6 +38,9 @@ SWITCHES = ("JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE", "JAXSPEC_UNROLL_ROUNDS", "JAXS
             "JAXSPEC_FUSE_QKV", "JAXSPEC_ATTN_MERGED", "JAXSPEC_ATTN_PREFETCH", "JAXSPEC_FUSED_NORMS",
             "JAXSPEC_JOINT_QK_NORM", "JAXSPEC_GEMV", "JAXSPEC_SPLIT_PRODUCTS", "JAXSPEC_PIN_OUTPUT",
             "JAXSPEC_QKV_KERNEL", "JAXSPEC_LAYER_PRODUCTS", "JAXSPEC_STAGE_INPUTS")
+# jaxlib's own environment that changes how a program is run and timed (1: PJRT's TFRT GPU client instead of the
+# stream-executor one, other transfer and launch paths); benchmark results record them beside SWITCHES
+CLIENT_ENV = ("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT",)
 
 
 LAYER_PRODUCT_SITES = ("qkv", "o", "mlp", "down", "ple")  # `jaxspec.pallas.layer_products.SITES`

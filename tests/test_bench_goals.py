@@ -118,6 +118,10 @@ def test_goals_skip_runs_with_a_switch_set_otherwise_than_shipped(tmp_path):
     from jaxspec.config import SWITCHES
 
     assert set(SHIPPED_SWITCHES) == set(SWITCHES)  # every switch has its shipped value
+    from jaxspec.bench.goals import SHIPPED_CLIENT_ENV
+    from jaxspec.config import CLIENT_ENV
+
+    assert set(SHIPPED_CLIENT_ENV) == set(CLIENT_ENV)
     d = tmp_path / "results"
     d.mkdir()
 
@@ -135,6 +139,14 @@ def test_goals_skip_runs_with_a_switch_set_otherwise_than_shipped(tmp_path):
     # `while` loop measured the shipped program; an R-4 one did not
     unchanged = propose("f.json", "2026-12-02T14:00:00+00:00", 240.0, {"JAXSPEC_UNROLL_ROUNDS": "0"})
     assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == unchanged
+    # jaxlib's other GPU client (XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1) is not what ships; set to 0 it is
+    result(d, "f1.json", "propose", "2026-12-02T14:10:00+00:00", [{"ctx": 4096, "bs": 1, "bucketed_us": 50.0}],
+           preset="E4B", client_env={"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1"})
+    assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == unchanged
+    client0 = result(d, "f2.json", "propose", "2026-12-02T14:20:00+00:00",
+                     [{"ctx": 4096, "bs": 1, "bucketed_us": 230.0}], preset="E4B",
+                     client_env={"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "0"})
+    assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == client0
 
     def plain(name, date, tok_s, rounds, unroll):
         return result(d, name, "e2e", date, [{"bs": 1, "mode": "off", "rounds_per_call": rounds,

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from jaxspec.config import PRESETS, SWITCHES, TargetConfig
+from jaxspec.config import CLIENT_ENV, PRESETS, SWITCHES, TargetConfig
 from jaxspec.paged_kv.cache import LayerKV, PagedKVCache
 from jaxspec.paged_kv.pool import swa_pages_bound_for
 
@@ -119,7 +119,8 @@ def environment() -> dict:
             "device_kind": device.device_kind, "device_count": jax.device_count(),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "switches": {name: os.environ[name] for name in SWITCHES if name in os.environ}}
+            "switches": {name: os.environ[name] for name in SWITCHES if name in os.environ},
+            "client_env": {name: os.environ[name] for name in CLIENT_ENV if name in os.environ}}
 
 
 def command_line(argv) -> str:

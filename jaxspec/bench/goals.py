@@ -120,6 +120,10 @@ SHIPPED_SWITCHES = {"JAXSPEC_PRIME": "1", "JAXSPEC_GC_FREEZE": "1", "JAXSPEC_UNR
                     "JAXSPEC_LAYER_PRODUCTS": "0", "JAXSPEC_STAGE_INPUTS": "1"}
 
 
+# jaxlib's environment as shipped (`config.CLIENT_ENV`; unset means this): the stream-executor GPU client
+SHIPPED_CLIENT_ENV = {"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "0"}
+
+
 def switch_matters(name: str, record: dict) -> bool:
     """Whether `name` changes what `record` ran: JAXSPEC_UNROLL_ROUNDS only where a row decoded R > 1 rounds a call
     (with R 1 both settings build the same program)."""
@@ -131,15 +135,16 @@ def switch_matters(name: str, record: dict) -> bool:
 
 def experiment(path: str, record: dict) -> bool:
     """A run that is not the shipped configuration: other XLA flags than NEUTRAL_XLA_FLAGS, an environment switch
-    set otherwise than SHIPPED_SWITCHES where it changes what ran, an opt-in mode that is off by default
+    set otherwise than SHIPPED_SWITCHES where it changes what ran, jaxlib's client environment otherwise than
+    SHIPPED_CLIENT_ENV, an opt-in mode that is off by default
     (`--batch-invariant`), or a file named as an experiment (e.g. a change that was measured and reverted). Goals
     never come from one."""
     flags = set(str(record.get("xla_flags") or "").split())
-    switches = record.get("switches") or {}
+    environment = {**(record.get("switches") or {}), **(record.get("client_env") or {})}
+    shipped = {**SHIPPED_SWITCHES, **SHIPPED_CLIENT_ENV}
     return (bool(flags - NEUTRAL_XLA_FLAGS) or "experiment" in os.path.basename(path)
             or bool(record.get("batch_invariant"))
-            or any(SHIPPED_SWITCHES.get(name) != value and switch_matters(name, record)
-                   for name, value in switches.items()))
+            or any(shipped.get(name) != value and switch_matters(name, record) for name, value in environment.items()))
 
 
 def results(directory: str) -> list[tuple[str, dict]]:

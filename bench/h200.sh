@@ -72,6 +72,10 @@
 # session 28 (issue #14): s28-stage-goals (STAGE_ORDER "0 1 0", then "1"), s27-stage's verify step, then the verify /
 # decode goal rows with the switch 1, 0, 1: staged inputs on by default. Next: STAGE_STEPS="lane vlog" s27-stage (the
 # staging tests on the GPU, XLA's updated-node count), s27-first, then session 24's list.
+# session 29 (issue #14): DISPATCH_LANE=1 s29-dispatch (the host inputs' cost taken apart; the staging lane owed since 28),
+# then LAYER_STEPS="warm lane" s29-layer and LAYER_STEPS="decode verify" s29-layer chained (session 24's kernels timed:
+# the norms kernel shipped on). Next: s30-tfrt (PJRT's TFRT GPU client), s30-qkv-lane, then s30-e2e (the engine end to
+# end with the session-28/29 defaults; E2E_NORMS=1, then 0, one call each), s27-first, session 24's rest (s24-graph, s24-tiling, s23-fused-rows).
 # Compile caches between calls and sessions: `CACHE_OUT=1 bash bench/h200.sh PART` returns the part's compile cache as
 # $OUT/jaxcache-part-* (15 MiB each; the device returns 8 files, 64 MiB in all); copy them into .jaxcache/ (ignored)
 # and name ".jaxcache" in the next call's carry: every part unpacks it first (untried on the device as of session 26).
@@ -729,6 +733,71 @@ s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane a
   # goal, never traced) traced with every kernel listed
   TEST_TIMEOUT=${TEST_TIMEOUT:-240} lp_lane
   traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
+s30-tfrt)  # issue #14 (next): PJRT's newer GPU client (XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1, read by this jaxlib;
+  # session 29: with the stream-executor client a bs-1 propose's 1-KB host input costs ~230 us and the graph's launch
+  # ~170 us before its first kernel). TFRT_STEPS, any of "diag goals lane" (all by default): diag runs
+  # bench/diag_dispatch.py with the client 0 then 1; goals the propose (bs 1, 64), verify (bs 1) and decode (bs 1)
+  # goal rows with 1, 0, 1 (-experiment files: not the shipped client); lane the staging and drafter tests with it
+  steps=" ${TFRT_STEPS:-diag goals lane} "
+  [[ $steps == *" diag "* ]] && for v in 0 1; do XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=$v timeout ${DISPATCH_TIMEOUT:-150} \
+      python3 bench/diag_dispatch.py --json "$OUT/diag-dispatch-tfrt$v-experiment.json" > "$OUT/diag-tfrt$v.log" 2>&1
+    echo "== client $v"; head -13 "$OUT/diag-tfrt$v.log"; done
+  i=0; [[ $steps == *" goals "* ]] && for v in 1 0 1; do i=$((i + 1))
+    for g in "propose --bs 1,64 --ctx 4096 --variants bucketed" "verify --bs 1" "decode --bs 1 --cache paged"; do
+      XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=$v timeout ${GOAL_TIMEOUT:-150} python3 -m jaxspec.bench $g \
+        --json "$OUT/${g%% *}-tfrt$v-run$i-experiment.json" >> "$OUT/goals-tfrt.log" 2>&1
+      echo "== client $v: $(grep -h '^step of\|^propose ctx\|Error' "$OUT/goals-tfrt.log" | tail -2 | tr '\n' ' ')"; done; done
+  [[ $steps == *" lane "* ]] && { XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q \
+    -p no:cacheprovider --tb=short -rf tests/test_staging.py tests/test_drafter.py > "$OUT/tests-tfrt.txt" 2>&1
+    grep -E "passed|failed|^FAILED" "$OUT/tests-tfrt.txt" | tail -6; }; true ;;
+s30-e2e)  # issues #13/#14 (next): the engine end to end with session 28-29's defaults (staged inputs, the norms kernel)
+  # against JAXSPEC_FUSED_NORMS=0: E4B random, bs 1, 1K prompt, plain and k 3 (the e2e goal rows of #13 come from
+  # older files); E2E_NORMS picks the values, one process each (~4-5 minutes cold: one value a call)
+  for v in ${E2E_NORMS:-1 0}; do JAXSPEC_FUSED_NORMS=$v timeout ${E2E_TIMEOUT:-290} python3 -m jaxspec.bench e2e \
+      --preset E4B --bs 1 --prompt-len 1024 --new-tokens 128 --modes off,bucketed -k 3 \
+      --json "$OUT/e2e-e4b-1k-norms$v.json" > "$OUT/e2e-e4b-1k-norms$v.log" 2>&1
+    echo "== JAXSPEC_FUSED_NORMS=$v"; grep "^e2e bs\|Error" "$OUT/e2e-e4b-1k-norms$v.log" | head -4; done ;;
+s30-qkv-lane)  # issue #14 (next): the q/k/v kernel's tests on the GPU again, with session 29's bf16 tolerance (one ulp
+  # at the largest compared magnitude: a rotation's cancelling terms), then decode bs 1 with (QKV, NORMS) 11, 01, 11
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_qkv_cache.py \
+    > "$OUT/tests-qkv.txt" 2>&1; grep -E "passed|failed|^FAILED" "$OUT/tests-qkv.txt" | tail -6
+  LAYER_STEPS=decode LAYER_DECODE="11 01 11" bash "$0" s29-layer ;;
+s29-layer)  # issue #14 (session 29): session 24's layer kernels, built and CPU-tested, never timed: the q/k/v kernel
+  # (JAXSPEC_QKV_KERNEL: bench graph, decode bs 1 983 -> 867 launches, verify 783 -> 732) and the residual norms kernel
+  # (JAXSPEC_FUSED_NORMS: decode 983 -> 773; both 657). LAYER_STEPS, any of "warm lane decode verify" (all by default;
+  # chain the calls on one warm machine with JAX_COMPILATION_CACHE_DIR set alike): warm compiles the six programs
+  # three at a time (E4B takes ~20 GB a process: three fit an 80-GB card), lane runs their GPU tests (Triton), decode
+  # times decode bs 1 (paged) with (QKV, NORMS) = 00 11 10 01 00, verify times verify bs 1 with QKV 0 1 0, each in its
+  # own process (-experiment files)
+  steps=" ${LAYER_STEPS:-warm lane decode verify} "
+  [[ $steps == *" warm "* ]] && { export WARM_MEM=${WARM_MEM:-.3}
+    JAXSPEC_QKV_KERNEL=0 JAXSPEC_FUSED_NORMS=0 warm decode00 decode --bs 1 --cache paged &
+    JAXSPEC_QKV_KERNEL=1 JAXSPEC_FUSED_NORMS=1 warm decode11 decode --bs 1 --cache paged &
+    JAXSPEC_QKV_KERNEL=0 warm verify0 verify --bs 1 & wait
+    JAXSPEC_QKV_KERNEL=1 JAXSPEC_FUSED_NORMS=0 warm decode10 decode --bs 1 --cache paged &
+    JAXSPEC_QKV_KERNEL=0 JAXSPEC_FUSED_NORMS=1 warm decode01 decode --bs 1 --cache paged &
+    JAXSPEC_QKV_KERNEL=1 warm verify1 verify --bs 1 &
+    [[ $steps == *" lane "* ]] && { XLA_PYTHON_CLIENT_MEM_FRACTION=.08 timeout ${TEST_TIMEOUT:-300} python3 -m pytest \
+      -q -p no:cacheprovider --tb=short -rf tests/test_qkv_cache.py tests/test_row_norms.py tests/test_rounds.py \
+      -k "qkv or layer_kernels or norms" > "$OUT/tests-layer.txt" 2>&1; grep -E "passed|failed|^FAILED" \
+      "$OUT/tests-layer.txt" | tail -8; } & wait
+    grep -h "Error\|error:" "$OUT"/warm-*.log | head -5; ls "$JAX_COMPILATION_CACHE_DIR" | wc -l; }
+  i=0; [[ $steps == *" decode "* ]] && for v in ${LAYER_DECODE:-00 11 10 01 00}; do i=$((i + 1))
+    JAXSPEC_QKV_KERNEL=${v:0:1} JAXSPEC_FUSED_NORMS=${v:1:1} timeout ${DECODE_TIMEOUT:-100} python3 -m jaxspec.bench \
+      decode --bs 1 --cache paged --json "$OUT/decode-layer-$v-run$i-experiment.json" >> "$OUT/decode-layer.log" 2>&1
+    echo "== QKV, NORMS = $v: $(grep -h '^step of\|Error' "$OUT/decode-layer.log" | tail -1)"; done
+  [[ $steps == *" verify "* ]] && for v in ${LAYER_VERIFY:-0 1 0}; do i=$((i + 1))
+    JAXSPEC_QKV_KERNEL=$v timeout ${VERIFY_TIMEOUT:-100} python3 -m jaxspec.bench verify --bs 1 \
+      --json "$OUT/verify-layer-qkv$v-run$i-experiment.json" >> "$OUT/verify-layer.log" 2>&1
+    echo "== QKV = $v: $(grep -h '^step of\|Error' "$OUT/verify-layer.log" | tail -1)"; done; true ;;
+s29-dispatch)  # issue #14 (session 29, first): where the bs-1 propose's host time goes with host inputs (goal row 733 us,
+  # 440-490 us of it before the call returns; ~120 us with the inputs on the device): bench/diag_dispatch.py times one
+  # bucket called eight ways and traces the host's spans; then (DISPATCH_LANE=1) the staging tests' GPU lane
+  rm -rf /tmp/dp; XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${DISPATCH_TIMEOUT:-240} \
+    python3 bench/diag_dispatch.py --bs ${DISPATCH_BS:-1} \
+    --profile-dir /tmp/dp --json "$OUT/diag-dispatch-bs${DISPATCH_BS:-1}.json" > "$OUT/diag-dispatch.log" 2>&1
+  head -60 "$OUT/diag-dispatch.log"
+  [ -n "${DISPATCH_LANE:-}" ] && STAGE_STEPS="${DISPATCH_LANE_STEPS:-lane}" bash "$0" s27-stage; true ;;
 s28-stage-goals)  # issue #14 (session 28, first): the propose goal rows (E4B drafter, k 3, 4K, bs 1 and 64, the
   # bucketed program as the goal rows call it) with JAXSPEC_STAGE_INPUTS 0, 1, 0, 1 in four processes (the first two
   # compile, the others load from the persistent cache): the A/B in goal-row form, so that if the switch ships on its

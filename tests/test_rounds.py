@@ -284,18 +284,26 @@ def test_small_buckets_draft_through_the_fused_kernels(oracle, monkeypatch):
 def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch, switch):
     """JAXSPEC_ATTN_GATHER_Q (default on): the attention kernels read their query rows from q as it is and write
     their output rows in that layout, no transposed and padded copy before each call and no un-padding slice after;
-    0 brings back the row layout. With the kernels (interpreted on the CPU) at R 2 with overlap, the engine gives
-    transformers' greedy continuations either way, and every kernel call took q as the switch says. merged: the two
-    experimental kernel switches on (both off by default): JAXSPEC_ATTN_MERGED=1, every kernel call merges its splits
-    itself, counting in the buffer its step passes from call to call (a buffer handed on with counts left in it
-    fails this test), and JAXSPEC_ATTN_PREFETCH=1, every call walks its keys pipelined."""
+    0 brings back the row layout. JAXSPEC_FUSED_NORMS (default on): the residual stream's norms as one kernel a site
+    (`row_norms.add_norm`); 0 brings back the jnp norms. With the kernels (interpreted on the CPU) at R 2 with
+    overlap, the engine gives transformers' greedy continuations with both on (default) and both off ("0"), and every
+    kernel call took q as the switch says. merged: the two experimental kernel switches on (both off by default):
+    JAXSPEC_ATTN_MERGED=1, every kernel call merges its splits itself, counting in the buffer its step passes from
+    call to call (a buffer handed on with counts left in it fails this test), and JAXSPEC_ATTN_PREFETCH=1, every call
+    walks its keys pipelined."""
     import jaxspec.pallas.paged_attention as pa
+    from jaxspec.pallas import row_norms
 
     monkeypatch.delenv("JAXSPEC_ATTN_GATHER_Q", raising=False)
+    monkeypatch.delenv("JAXSPEC_FUSED_NORMS", raising=False)
     monkeypatch.setenv("JAXSPEC_ATTN_MERGED", "1" if switch == "merged" else "0")
     monkeypatch.setenv("JAXSPEC_ATTN_PREFETCH", "1" if switch == "merged" else "0")
     if switch == "0":
         monkeypatch.setenv("JAXSPEC_ATTN_GATHER_Q", switch)
+        monkeypatch.setenv("JAXSPEC_FUSED_NORMS", switch)
+    norms = []
+    monkeypatch.setattr(row_norms, "pallas_call", lambda *a, real=row_norms.pallas_call, **kw: norms.append(
+        kw["grid"]) or real(*a, **kw))
     seen = []
     real = pa.paged_attention_rows
     # `paged_attention` is jitted: an earlier test of these shapes (same process) would leave its trace cached, and
@@ -308,6 +316,7 @@ def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch, swit
     assert got == want
     assert seen and all((g is not None) == (switch != "0") for g, _, _ in seen), seen
     assert all((sem is not None) == prefetch == (switch == "merged") for _, sem, prefetch in seen)
+    assert bool(norms) == (switch != "0"), norms  # the norms kernel traced (prefill chunks, verify steps, drafts)
 
 
 def test_layer_kernels_engine_equals_transformers_greedy(oracle, monkeypatch):

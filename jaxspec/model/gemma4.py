@@ -373,13 +373,14 @@ def paged_forward(params, cfg: TargetConfig, kv, meta: StepMetadata, tokens, *, 
 
 def layer_ops(use_kernels: bool, mesh=None) -> LayerOps:
     """The kernels a layer runs between its weights and values, with the kernels on one device: the residual stream's
-    norms (`row_norms.add_norm`) with JAXSPEC_FUSED_NORMS=1, the small products (`gemv.gemv`) with JAXSPEC_GEMV=1,
+    norms (`row_norms.add_norm`) unless JAXSPEC_FUSED_NORMS=0, the small products (`gemv.gemv`) with JAXSPEC_GEMV=1,
     the products with their norms and activations (`layer_products`, the sites of JAXSPEC_LAYER_PRODUCT_SITES) with
-    JAXSPEC_LAYER_PRODUCTS=1;
-    the jnp references otherwise (both off by default: the norms kernel tied XLA's fusions on the H200, BENCHMARKS.md
-    session 16; the products kernel is not yet measured)."""
+    JAXSPEC_LAYER_PRODUCTS=1; the jnp references otherwise. The norms kernel is on by default: on the H200 it took
+    E4B's bs-1 decode step from 4.55-4.65 to 4.28-4.34 ms (-6%, XLA splits each norm of a single row into two
+    kernels) and tied on the verify step and the bs-64 propose (BENCHMARKS.md session 29); the products kernels were
+    slower (sessions 17 and 26)."""
     on = use_kernels and mesh is None
     return LayerOps(
-        add_norm=row_norms.add_norm if on and env_switch("JAXSPEC_FUSED_NORMS") is True else add_norm_ref,
+        add_norm=row_norms.add_norm if on and env_switch("JAXSPEC_FUSED_NORMS") is not False else add_norm_ref,
         product=gemv.gemv if on and env_switch("JAXSPEC_GEMV") is True else gemv.gemv_ref,
         sites=layer_product_sites() if on and env_switch("JAXSPEC_LAYER_PRODUCTS") is True else frozenset())

@@ -76,6 +76,8 @@
 # then LAYER_STEPS="warm lane" s29-layer and LAYER_STEPS="decode verify" s29-layer chained (session 24's kernels timed:
 # the norms kernel shipped on). Next: s30-tfrt (PJRT's TFRT GPU client), s30-qkv-lane, then s30-e2e (the engine end to
 # end with the session-28/29 defaults; E2E_NORMS=1, then 0, one call each), s27-first, session 24's rest (s24-graph, s24-tiling, s23-fused-rows).
+# session 30 (issue #14): no device time (the session's budget was spent when it began). Queued first: s30-nodes (the
+# graph's nodes a call from traces of the shipped programs: the goal propose_e4b_bs1_4k_graph_kernels), then as above.
 # Compile caches between calls and sessions: `CACHE_OUT=1 bash bench/h200.sh PART` returns the part's compile cache as
 # $OUT/jaxcache-part-* (15 MiB each; the device returns 8 files, 64 MiB in all); copy them into .jaxcache/ (ignored)
 # and name ".jaxcache" in the next call's carry: every part unpacks it first (untried on the device as of session 26).
@@ -733,6 +735,13 @@ s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane a
   # goal, never traced) traced with every kernel listed
   TEST_TIMEOUT=${TEST_TIMEOUT:-240} lp_lane
   traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
+s30-nodes)  # issue #14 (next): the graph's nodes a call from a trace of the shipped programs (session 30: `bench propose
+  # / verify / decode --profile-dir` put the trace's kernels, copies and kernel us a call in the traced row; goal
+  # propose_e4b_bs1_4k_graph_kernels <= 50; compiled for the H200 on the CPU: propose bs 1 118, verify 786, decode 774)
+  for g in "propose --bs 1 --ctx 4096 --variants bucketed" "verify --bs 1" "decode --bs 1 --cache paged"; do
+    XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${NODES_TIMEOUT:-150} python3 -m jaxspec.bench \
+      $g --profile-dir "/tmp/nodes-${g%% *}" --json "$OUT/${g%% *}-bs1-traced.json" >> "$OUT/nodes.log" 2>&1
+    echo "== ${g%% *}: $(grep -h '^trace:\|^step of\|^propose ctx\|Error' "$OUT/nodes.log" | tail -2 | tr '\n' ' ')"; done ;;
 s30-tfrt)  # issue #14 (next): PJRT's newer GPU client (XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1, read by this jaxlib;
   # session 29: with the stream-executor client a bs-1 propose's 1-KB host input costs ~230 us and the graph's launch
   # ~170 us before its first kernel). TFRT_STEPS, any of "diag goals lane" (all by default): diag runs

@@ -56,8 +56,10 @@ def test_propose(tmp_path):
 
 
 def test_decode(tmp_path):
-    r = run(tmp_path, "decode", "--preset", "tiny", "--bs", "2", "--ctx", "24")
+    r = run(tmp_path, "decode", "--preset", "tiny", "--bs", "2", "--ctx", "24", "--profile-dir", str(tmp_path / "p"))
     assert [(d["cache"], d["bs"], d["ctx"]) for d in r["rows"]] == [("dense", 2, 24), ("paged", 2, 24)]
+    # the paged row is traced (its figures None on the CPU), both timed before the trace
+    assert [(d["after_trace"], d.get("traced_calls")) for d in r["rows"]] == [(False, None), (False, 20)]
     for d in r["rows"]:
         assert {"step_ms", "tokens_per_s", "bound_ms", "step/bound"} <= set(d) and d["jit_leaves"] > 50
     (need,) = r["bytes"]
@@ -289,6 +291,35 @@ def test_trace_summary_of_a_gpu_trace(tmp_path):
         "jit_verify_step(7)": (3, pytest.approx(0.45)), "jit_draft_bucket(7)": (3, pytest.approx(0.2))}
     assert r["kernel_us_per_round"] == pytest.approx(0.2 + 0.45 + 0.1)
     assert run(tmp_path, "trace", str(prof), "--rounds", "6")["kernel_launches_per_round"] == 2.5
+
+
+def test_call_figures_of_a_gpu_trace(tmp_path):
+    """`trace.call_figures` (what `bench propose / verify / decode --profile-dir` put in the traced row): two calls,
+    each three kernels (1 + 2 + 3 ns) and a host copy and a memset beside them: 3 kernels a call (the graph's nodes),
+    2 copies, 6 ns of kernels."""
+    from jaxspec.bench import trace
+
+    kernels = []
+    for base in (0, 100):
+        kernels += [(1, "MemcpyH2D", "", base, base + 5), (1, "fusion_1", "jit_propose", base + 10, base + 11),
+                    (1, "draft_q_proj", "jit_propose", base + 11, base + 13),
+                    (2, "Memset", "", base + 12, base + 13), (1, "fusion_2", "jit_propose", base + 13, base + 16)]
+    f = trace.call_figures(write_gpu_trace(tmp_path / "prof", kernels), 2)
+    assert f == {"traced_calls": 2, "traced_kernels_per_call": 3.0, "traced_copies_per_call": 2.0,
+                 "traced_kernel_us_per_call": pytest.approx(0.006)}
+
+
+def test_profiled_rows_carry_their_trace_and_later_rows_say_so(tmp_path):
+    """`propose` with --profile-dir: the first shape's row of the traced variant carries the trace's figures per call
+    (None on the CPU: no device kernels), and every row timed after the trace says so (`after_trace`: `bench goals`
+    never takes such a figure for a timing goal). decode's traced row: test_decode."""
+    prof = str(tmp_path / "prof")
+    r = run(tmp_path, "propose", "--preset", "tiny", "--bs", "1,2", "--ctx", "40", "-k", "2", "--variants",
+            "bucketed", "--profile-dir", prof)
+    first, second = r["rows"]
+    assert (first["after_trace"], first["traced_variant"], first["traced_calls"]) == (False, "bucketed", 20)
+    assert first["traced_kernels_per_call"] is None  # the CPU's trace
+    assert second["after_trace"] is True and "traced_variant" not in second
 
 
 HLO = """HloModule jit_decode_rounds, entry_computation_layout={()}

@@ -18,6 +18,7 @@ GOALS = {("e2e_e4b_bs1_1k_plain_tok_s", 13): (190, "higher"),
          ("e2e_270m_bs1_spec_over_plain", 13): (1.8, "higher"),
          ("e2e_e4b_bs16_1k_spec_tok_s_per_request", 13): (112.2, "higher"),
          ("propose_e4b_bs1_4k_us", 14): (200, "lower"),
+         ("propose_e4b_bs1_4k_graph_kernels", 14): (50, "lower"),
          ("propose_e4b_bs64_4k_us", 14): (3276, "lower"),
          ("verify_e4b_bs1_4k_over_bound", 14): (1.5, "lower"),
          ("verify_e4b_bs16_4k_over_bound", 14): (3.03, "lower"),
@@ -81,6 +82,7 @@ def test_goals_select_by_subcommand_model_settings_and_row(tmp_path):
                 ("e2e_270m_bs1_spec_over_plain", 13): (2.5, True, small),
                 ("e2e_e4b_bs16_1k_spec_tok_s_per_request", 13): (120.0, True, e4b),
                 ("propose_e4b_bs1_4k_us", 14): (150.0, True, propose),
+                ("propose_e4b_bs1_4k_graph_kernels", 14): (None, None, None),  # no trace
                 ("propose_e4b_bs64_4k_us", 14): (4000.0, False, propose),
                 ("verify_e4b_bs1_4k_over_bound", 14): (1.4, True, verify),
                 ("verify_e4b_bs16_4k_over_bound", 14): (3.5, False, verify),
@@ -109,6 +111,38 @@ def test_goals_newest_file_wins(tmp_path):
     assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == dated
     tie = propose("d.json", "2026-11-30T10:00:00+00:00", 250.0, 4000)
     assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == tie
+
+
+def test_goals_count_graph_kernels_from_a_trace_and_skip_rows_timed_after_one(tmp_path):
+    """propose_e4b_bs1_4k_graph_kernels reads the traced kernels a call of the shipped variant (`bench propose
+    --profile-dir`: the first variant listed is traced); a row timed after its run's trace never sets a timing goal,
+    whether the row says so (`after_trace`) or, in older files, its run traced an earlier shape (--profile-dir)."""
+    d = tmp_path / "results"
+    d.mkdir()
+    plain = result(d, "a.json", "propose", "2026-12-05T10:00:00+00:00",
+                   [{"ctx": 4096, "bs": 1, "bucketed_us": 700.0}, {"ctx": 4096, "bs": 64, "bucketed_us": 3300.0}],
+                   preset="E4B")
+    traced = result(d, "b.json", "propose", "2026-12-05T11:00:00+00:00", [
+        {"ctx": 4096, "bs": 1, "bucketed_us": 710.0, "after_trace": False, "traced_variant": "bucketed",
+         "traced_kernels_per_call": 118.0},
+        {"ctx": 4096, "bs": 64, "bucketed_us": 3100.0, "after_trace": True}], "--profile-dir /tmp/p", preset="E4B")
+    g = goals(tmp_path, d)
+    assert g["propose_e4b_bs1_4k_graph_kernels", 14]["source"] == traced
+    assert (g["propose_e4b_bs1_4k_graph_kernels", 14]["value"], g["propose_e4b_bs1_4k_graph_kernels", 14]["met"]) \
+        == (118.0, False)
+    assert g["propose_e4b_bs1_4k_us", 14]["source"] == traced  # timed before the trace: the newest
+    assert (g["propose_e4b_bs64_4k_us", 14]["source"], g["propose_e4b_bs64_4k_us", 14]["value"]) == (plain, 3300.0)
+    # a trace of another variant does not count; an older file's rows after its traced first shape do not either
+    result(d, "c.json", "propose", "2026-12-05T12:00:00+00:00", [
+        {"ctx": 4096, "bs": 1, "fused_us": 500.0, "traced_variant": "fused", "traced_kernels_per_call": 40.0}],
+           preset="E4B")
+    result(d, "d.json", "propose", "2026-12-05T13:00:00+00:00", [{"ctx": 4096, "bs": 1, "bucketed_us": 720.0},
+                                                                 {"ctx": 4096, "bs": 64, "bucketed_us": 3000.0}],
+           "--bs 1,64 --profile-dir /tmp/p", preset="E4B")
+    g = goals(tmp_path, d)
+    assert g["propose_e4b_bs1_4k_graph_kernels", 14]["source"] == traced
+    assert g["propose_e4b_bs1_4k_us", 14]["value"] == 720.0
+    assert g["propose_e4b_bs64_4k_us", 14]["source"] == plain
 
 
 def test_goals_skip_runs_with_a_switch_set_otherwise_than_shipped(tmp_path):
@@ -205,6 +239,8 @@ def test_goals_over_the_repository_results(tmp_path):
             "e2e_e4b_bs16_1k_spec_tok_s_per_request": ("e2e", {"bs": 16, "mode": "bucketed"}, "decode_tokens_per_s",
                                                        None),
             "propose_e4b_bs1_4k_us": ("propose", {"bs": 1, "ctx": 4096}, "bucketed_us", None),
+            "propose_e4b_bs1_4k_graph_kernels": ("propose", {"bs": 1, "ctx": 4096, "traced_variant": "bucketed"},
+                                                 "traced_kernels_per_call", None),
             "propose_e4b_bs64_4k_us": ("propose", {"bs": 64, "ctx": 4096}, "bucketed_us", None),
             "verify_e4b_bs1_4k_over_bound": ("verify", {"bs": 1, "ctx": 4096, "cache": "paged"}, "step/bound", None),
             "verify_e4b_bs16_4k_over_bound": ("verify", {"bs": 16, "ctx": 4096, "cache": "paged"}, "step/bound",

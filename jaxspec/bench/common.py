@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from jaxspec.config import CLIENT_ENV, PRESETS, SWITCHES, TargetConfig
+from jaxspec.config import CLIENT_ENV, PRESETS, SWITCHES, ConfigError, TargetConfig
 from jaxspec.paged_kv.cache import LayerKV, PagedKVCache
 from jaxspec.paged_kv.pool import swa_pages_bound_for
 
@@ -63,13 +63,17 @@ def median_dispatch_us(call, iters: int, num_sets: int = NUM_SETS) -> float:
     return float(np.median(times)) * 1e6
 
 
-def profile_calls(args, call, label: str, calls: int = 20) -> None:
+def profile_calls(args, call, label: str, calls: int = 20) -> dict:
     """With --profile-dir: record `calls` more calls of the first figure asked for into a profiler trace (once per
-    run; summarise with `python -m jaxspec.bench trace DIR --rounds {calls}`). Call it once every figure of the row is
-    timed: on the H200 calls timed after a trace can run slower (session 20: the same propose 570.0 µs timed before a
-    trace, 821.9 after one, in one call)."""
+    run; summarise with `python -m jaxspec.bench trace DIR --rounds {calls}`), and return their figures per call for
+    the traced row (`trace.call_figures`: kernels, copies, kernel µs; None where the trace holds no device kernels, as
+    on the CPU); {} when nothing was traced. Call it once every figure of the row is timed: on the H200 calls timed
+    after a trace can run slower (session 20: the same propose 570.0 µs timed before a trace, 821.9 after one, in one
+    call), so rows timed later say so (`after_trace`)."""
+    from jaxspec.bench import trace  # it imports this module
+
     if not getattr(args, "profile_dir", None) or getattr(args, "profiled", None):
-        return
+        return {}
     jax.block_until_ready(call(0))
     jax.profiler.start_trace(args.profile_dir)
     for n in range(calls):
@@ -77,6 +81,20 @@ def profile_calls(args, call, label: str, calls: int = 20) -> None:
     jax.profiler.stop_trace()
     args.profiled = label
     print(f"profiled {calls} calls of {label} into {args.profile_dir}")
+    try:
+        figures = trace.call_figures(trace.newest_trace(args.profile_dir), calls)
+    except ConfigError as e:
+        print(f"note: {e}")
+        return {"traced_calls": calls, "traced_kernels_per_call": None, "traced_copies_per_call": None,
+                "traced_kernel_us_per_call": None}
+    print(f"trace: {figures['traced_kernels_per_call']:.1f} kernels a call "
+          f"({figures['traced_kernel_us_per_call']:.1f} us), {figures['traced_copies_per_call']:.1f} copies")
+    return figures
+
+
+def after_trace(args) -> bool:
+    """Whether this run traced calls already (`profile_calls`): a figure timed now may be slower than untraced."""
+    return bool(getattr(args, "profiled", None))
 
 
 @jax.jit

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import staging
-from jaxspec.bench.common import (DTYPE, NUM_SETS, PRESET_NAMES, gib, median_us, memory_note, names_from, paged_cache,
-                                  positive, print_table, profile_calls, randomize, sizes)
+from jaxspec.bench.common import (DTYPE, NUM_SETS, PRESET_NAMES, after_trace, gib, median_us, memory_note, names_from,
+                                  paged_cache, positive, print_table, profile_calls, randomize, sizes)
 from jaxspec.config import LAYER_TYPES, SLIDING, TargetConfig, bench_pair
 from jaxspec.model import gemma4
 from jaxspec.model.weights import random_target_params
@@ -147,7 +147,7 @@ def run(args) -> dict:
             needs.append({"bs": bs, "ctx": ctx, **need})
             T = getattr(args, "positions", 1)
             tokens = [jnp.asarray(rng.integers(0, cfg.vocab_size, (bs, T)), jnp.int32) for _ in range(NUM_SETS)]
-            traced = None
+            traced, traced_row = None, None
             for mode in modes:
                 if mode == "dense":
                     call, leaves, note = dense_decode(params, cfg, bs, ctx, tokens, args.seed)
@@ -163,17 +163,17 @@ def run(args) -> dict:
                     logits = np.asarray(call(0))
                     first.setdefault((bs, ctx), logits)
                     same = bool(np.array_equal(first[(bs, ctx)], logits))
-                if mode == "paged":  # traced once every mode of this shape is timed (common.profile_calls)
-                    traced = call
                 bound_us = need["total"] / args.hbm_bw * 1e6
                 rows.append({"cache": mode, "bs": bs, "ctx": ctx, "positions": T, "step_ms": step_us / 1e3,
                              "tokens_per_s": bs / step_us * 1e6, "bound_ms": bound_us / 1e3,
                              "step/bound": step_us / bound_us, "jit_leaves": leaves, "memory": note,
-                             "same_logits_as_first_paged": same})
+                             "same_logits_as_first_paged": same, "after_trace": after_trace(args)})
+                if mode == "paged":  # traced once every mode of this shape is timed (common.profile_calls)
+                    traced, traced_row = call, rows[-1]
                 print(f"step of {T} position(s), {mode} bs {bs} ctx {ctx}: {step_us / 1e3:.3f} ms; {note}")
                 del call  # this figure's K/V (GiBs at bs 16) goes before the next figure allocates its own
             if traced is not None:
-                profile_calls(args, traced, f"paged step of {T} position(s), bs {bs} ctx {ctx}")
+                traced_row.update(profile_calls(args, traced, f"paged step of {T} position(s), bs {bs} ctx {ctx}"))
     keys = [k for k in needs[0] if k not in ("bs", "ctx")]
     print_table(f"MiB one decode step reads, each once (the HBM bound is total / {args.hbm_bw:.3g} B/s)",
                 [("bs", "bs", "{}"), ("ctx", "ctx", "{}")] + [(k, k, "{:.1f}") for k in keys],

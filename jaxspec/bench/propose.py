@@ -12,8 +12,8 @@ import argparse
 import jax
 import numpy as np
 
-from jaxspec.bench.common import (DTYPE, NUM_SETS, PRESET_NAMES, median_dispatch_us, median_us, memory_note,
-                                  names_from, paged_cache, positive, print_table, profile_calls, ratio,
+from jaxspec.bench.common import (DTYPE, NUM_SETS, PRESET_NAMES, after_trace, median_dispatch_us, median_us,
+                                  memory_note, names_from, paged_cache, positive, print_table, profile_calls, ratio,
                                   request_groups, sizes)
 from jaxspec.config import bench_pair
 from jaxspec.draft.bucketed import BucketedDrafter
@@ -93,7 +93,8 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
                  else (lambda i, d=d, bs=bs: d.propose_bucket(bs, *fixed)) if name in STABLE
                  else (lambda i, d=d, bs=bs: d.propose_bucket(bs, *sets[i]))
                  for name, d in drafters.items()}
-        row = {"ctx": ctx, "bs": bs, "k": args.k, **{f"{v}_us": None for v in make}, "memory": note}
+        row = {"ctx": ctx, "bs": bs, "k": args.k, **{f"{v}_us": None for v in make}, "memory": note,
+               "after_trace": after_trace(args)}
         for name, call in calls.items():
             row[f"{name}_us"] = median_us(call, eager_iters if name == "eager" else args.iters,
                                           num_sets=1 if name in STABLE else NUM_SETS)
@@ -104,7 +105,9 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
                 row["bucketed_device_inputs_us"] = median_us(
                     lambda i, d=drafters["bucketed"], bs=bs: d.propose_bucket(bs, *fixed), args.iters, num_sets=1)
         # the first variant listed is the one traced, after every variant is timed (common.profile_calls)
-        profile_calls(args, calls[variants[0]], f"propose {variants[0]} bs {bs} ctx {ctx}")
+        traced = profile_calls(args, calls[variants[0]], f"propose {variants[0]} bs {bs} ctx {ctx}")
+        if traced:
+            row.update(traced_variant=variants[0], **traced)
         if "stable" in calls and "bucketed" in calls:  # the same drafts from the same inputs
             row["stable_same_drafts"] = float(np.mean(np.asarray(calls["stable"](0)[0])
                                                       == np.asarray(calls["bucketed"](0)[0])))

@@ -167,6 +167,23 @@ def summarise(path: str, rounds: int | None = None, top: int = 15) -> dict:
                         for name, (n, t) in sorted(kernel_totals.items(), key=lambda kv: -kv[1][1])[:top]]}
 
 
+# what a Stream line holds besides kernels: host<->device copies and memsets (outside the CUDA graph of a call)
+COPY_EVENT = re.compile(r"^Mem(cpy|set)")
+
+
+def call_figures(path: str, calls: int) -> dict:
+    """Per call, from a trace of `calls` calls of one program and nothing else (`common.profile_calls`): its kernels
+    (the CUDA graph's nodes, with XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true keeping the graph as
+    production runs it), the copies and memsets beside them, and the kernels' µs."""
+    kernels, _ = device_events(path)
+    if not kernels:
+        raise NoDeviceKernels(f"no device kernels in {path} (a CPU trace has no /device: planes; profile on a GPU)")
+    launched = [k for k in kernels if not COPY_EVENT.match(k.name)]
+    return {"traced_calls": calls, "traced_kernels_per_call": len(launched) / calls,
+            "traced_copies_per_call": (len(kernels) - len(launched)) / calls,
+            "traced_kernel_us_per_call": sum(k.end - k.start for k in launched) / 1e3 / calls}
+
+
 # one HLO instruction: `%name = shape opcode(...)`, then its metadata (op_name, deduplicated_name)
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')

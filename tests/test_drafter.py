@@ -423,6 +423,39 @@ def test_top_k_ids_equals_lax_top_k(shape):
     assert (shape[0] * shape[1] ** 2 > assistant_mod.RANK_TOP_K_MAX) == (shape[0] == 9)  # both paths exercised
 
 
+def test_lowest_best_equals_its_two_pass_reference():
+    """The draft head's last step (`assistant.lowest_best`: the lowest candidate id at the row's best logit, one
+    variadic reduction) gives `lowest_best_ref`'s ids (the max, then the lowest id at it) on rows full of ties
+    between unsorted ids, -inf entries, and NaN (the reference's `missing`); a pick that breaks ties by position
+    instead of id, or lets a NaN lose, fails it."""
+    rng = np.random.default_rng(11)
+    cases = []
+    for trial in range(60):
+        B, N = int(rng.integers(1, 5)), int(rng.integers(1, 300))
+        sel = rng.integers(-3, 3, (B, N)).astype(np.float32)  # few levels: many ties
+        sel[rng.random((B, N)) < 0.2] = -np.inf
+        if trial % 5 == 0:
+            sel[0, rng.integers(N)] = np.nan
+        ids = (rng.permutation(5000)[:N] if trial % 2 else rng.integers(0, 5000, (B, N))).astype(np.int32)
+        cases.append((sel, ids))
+    fn = jax.jit(assistant_mod.lowest_best, static_argnums=2)
+    for sel, ids in cases:
+        want = np.asarray(assistant_mod.lowest_best_ref(jnp.asarray(sel), jnp.asarray(ids), 5000))
+        np.testing.assert_array_equal(np.asarray(fn(sel, ids, 5000)), want)
+
+    def by_position(sel, ids, missing):  # ties to the first position: jnp.argmax's rule
+        ids = jnp.broadcast_to(ids, sel.shape)
+        return jnp.take_along_axis(ids, jnp.argmax(sel, axis=-1)[:, None], axis=-1)[:, 0]
+
+    def nan_loses(sel, ids, missing):
+        return assistant_mod.lowest_best(jnp.where(jnp.isnan(sel), -jnp.inf, sel), ids, missing)
+
+    for broken in (by_position, nan_loses):
+        assert any(np.any(np.asarray(broken(jnp.asarray(s), jnp.asarray(i), 5000))
+                          != np.asarray(assistant_mod.lowest_best_ref(jnp.asarray(s), jnp.asarray(i), 5000)))
+                   for s, i in cases), broken.__name__
+
+
 def test_compact_head_gives_the_full_heads_argmax():
     """A plain head with mostly zero rows (a distilled drafter's) scored on its nonzero rows and one zero row: the same
     ids as argmax over the whole vocabulary, where the best kept logit is positive, negative (a zero row wins: the

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from jaxspec.config import AssistantConfig, rope_inv_freq
@@ -103,8 +104,31 @@ def draft_token(aparams, acfg: AssistantConfig, hn):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:
         cand, sel = candidates(aparams, acfg, hn)
+    return lowest_best(sel, cand, acfg.vocab_size)
+
+
+def lowest_best(sel, ids, missing: int):
+    """int32[B]: per row, the lowest of `ids` whose `sel` is the row's maximum — `min(where(sel == max(sel), ids,
+    missing))` (`lowest_best_ref`), `missing` where a row holds a NaN — as one variadic reduction of (value, id) pairs,
+    one kernel where the two-pass form takes two (a max, then the lowest id at it). A pure selection, so its result
+    does not depend on the order XLA combines the pairs in."""
+    nan = jnp.isnan(sel)
+    ids = jnp.where(nan, missing, jnp.broadcast_to(ids, sel.shape).astype(jnp.int32))
+
+    def pick(a, b):
+        (av, ai), (bv, bi) = a, b
+        a_nan, b_nan = jnp.isnan(av), jnp.isnan(bv)
+        take_a = a_nan | (~b_nan & ((av > bv) | ((av == bv) & (ai < bi))))  # a NaN wins (its id is `missing`)
+        return jnp.where(take_a, av, bv), jnp.where(take_a, ai, bi)
+
+    init = (jnp.array(-jnp.inf, sel.dtype), jnp.array(missing, jnp.int32))
+    return lax.reduce((sel, ids), init, pick, (sel.ndim - 1,))[1]
+
+
+def lowest_best_ref(sel, ids, missing: int):
+    """`lowest_best` in two passes: the row's maximum, then the lowest id at it (NaN: `missing`)."""
     best = jnp.max(sel, axis=-1, keepdims=True)
-    return jnp.min(jnp.where(sel == best, cand, acfg.vocab_size), axis=-1).astype(jnp.int32)
+    return jnp.min(jnp.where(sel == best, ids, missing), axis=-1).astype(jnp.int32)
 
 
 def propose(aparams, acfg: AssistantConfig, target_embed, pending_token, seed_hidden, cached_len, attend, cache, *,

@@ -77,7 +77,8 @@
 # the norms kernel shipped on). Next: s30-tfrt (PJRT's TFRT GPU client), s30-qkv-lane, then s30-e2e (the engine end to
 # end with the session-28/29 defaults; E2E_NORMS=1, then 0, one call each), s27-first, session 24's rest (s24-graph, s24-tiling, s23-fused-rows).
 # session 30 (issue #14): no device time (the session's budget was spent when it began). Queued first: s30-nodes (the
-# graph's nodes a call from traces of the shipped programs: the goal propose_e4b_bs1_4k_graph_kernels), then as above.
+# graph's nodes a call from traces of the shipped programs: the goal propose_e4b_bs1_4k_graph_kernels; the head's one
+# reduction fewer a step is in them, untimed otherwise), then as above.
 # Compile caches between calls and sessions: `CACHE_OUT=1 bash bench/h200.sh PART` returns the part's compile cache as
 # $OUT/jaxcache-part-* (15 MiB each; the device returns 8 files, 64 MiB in all); copy them into .jaxcache/ (ignored)
 # and name ".jaxcache" in the next call's carry: every part unpacks it first (untried on the device as of session 26).
@@ -737,7 +738,7 @@ s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane a
   traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
 s30-nodes)  # issue #14 (next): the graph's nodes a call from a trace of the shipped programs (session 30: `bench propose
   # / verify / decode --profile-dir` put the trace's kernels, copies and kernel us a call in the traced row; goal
-  # propose_e4b_bs1_4k_graph_kernels <= 50; compiled for the H200 on the CPU: propose bs 1 118, verify 786, decode 774)
+  # propose_e4b_bs1_4k_graph_kernels <= 50; compiled for the H200 on the CPU: propose bs 1 115, verify 786, decode 774)
   for g in "propose --bs 1 --ctx 4096 --variants bucketed" "verify --bs 1" "decode --bs 1 --cache paged"; do
     XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${NODES_TIMEOUT:-150} python3 -m jaxspec.bench \
       $g --profile-dir "/tmp/nodes-${g%% *}" --json "$OUT/${g%% *}-bs1-traced.json" >> "$OUT/nodes.log" 2>&1

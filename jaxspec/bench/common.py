@@ -85,8 +85,7 @@ def profile_calls(args, call, label: str, calls: int = 20) -> dict:
         figures = trace.call_figures(trace.newest_trace(args.profile_dir), calls)
     except ConfigError as e:
         print(f"note: {e}")
-        return {"traced_calls": calls, "traced_kernels_per_call": None, "traced_copies_per_call": None,
-                "traced_kernel_us_per_call": None}
+        return {"traced_calls": calls, **dict.fromkeys(trace.CALL_FIGURES)}
     print(f"trace: {figures['traced_kernels_per_call']:.1f} kernels a call "
           f"({figures['traced_kernel_us_per_call']:.1f} us), {figures['traced_copies_per_call']:.1f} copies")
     return figures

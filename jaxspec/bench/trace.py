@@ -169,6 +169,7 @@ def summarise(path: str, rounds: int | None = None, top: int = 15) -> dict:
 
 # what a Stream line holds besides kernels: host<->device copies and memsets (outside the CUDA graph of a call)
 COPY_EVENT = re.compile(r"^Mem(cpy|set)")
+CALL_FIGURES = ("traced_kernels_per_call", "traced_copies_per_call", "traced_kernel_us_per_call")  # call_figures'
 
 
 def call_figures(path: str, calls: int) -> dict:
@@ -179,9 +180,8 @@ def call_figures(path: str, calls: int) -> dict:
     if not kernels:
         raise NoDeviceKernels(f"no device kernels in {path} (a CPU trace has no /device: planes; profile on a GPU)")
     launched = [k for k in kernels if not COPY_EVENT.match(k.name)]
-    return {"traced_calls": calls, "traced_kernels_per_call": len(launched) / calls,
-            "traced_copies_per_call": (len(kernels) - len(launched)) / calls,
-            "traced_kernel_us_per_call": sum(k.end - k.start for k in launched) / 1e3 / calls}
+    figures = (len(launched), len(kernels) - len(launched), sum(k.end - k.start for k in launched) / 1e3)
+    return {"traced_calls": calls, **{name: value / calls for name, value in zip(CALL_FIGURES, figures)}}
 
 
 # one HLO instruction: `%name = shape opcode(...)`, then its metadata (op_name, deduplicated_name)

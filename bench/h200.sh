@@ -736,6 +736,17 @@ s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane a
   # goal, never traced) traced with every kernel listed
   TEST_TIMEOUT=${TEST_TIMEOUT:-240} lp_lane
   traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
+s31-qkv-default)  # issue #14: the q/k/v kernel on by default in one-position steps (plain decoding; session 31: decode bs 1
+  # -2.7% on the H100 in six runs side by side, verify bs 1 +3.6%): its GPU lane (test_rounds' q/k/v tests, fp32
+  # against transformers), then decode bs 1 and 16 with the switch unset (the default) and 0, twice, one process each
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_rounds.py \
+    tests/test_qkv_cache.py -k "qkv" > "$OUT/tests-qkv-default.txt" 2>&1
+  grep -E "passed|failed|^FAILED" "$OUT/tests-qkv-default.txt" | tail -6
+  i=0; for v in unset 0 unset 0; do i=$((i + 1)); tag=$([[ $v == unset ]] && echo default || echo qkv0-experiment)
+    ( [[ $v == unset ]] && unset JAXSPEC_QKV_KERNEL || export JAXSPEC_QKV_KERNEL=$v
+      timeout ${DECODE_TIMEOUT:-100} python3 -m jaxspec.bench decode --bs 1,16 --cache paged \
+        --json "$OUT/decode-run$i-$tag.json" >> "$OUT/decode-qkv-default.log" 2>&1 )
+    echo "== QKV $v: $(grep -h '^paged\|Error' "$OUT/decode-qkv-default.log" | tail -2 | tr '\n' ' ')"; done ;;
 s30-nodes)  # issue #14 (next): the graph's nodes a call from a trace of the shipped programs (session 30: `bench propose
   # / verify / decode --profile-dir` put the trace's kernels, copies and kernel us a call in the traced row; goal
   # propose_e4b_bs1_4k_graph_kernels <= 50; compiled for the H200 on the CPU: propose bs 1 115, verify 786, decode 774)

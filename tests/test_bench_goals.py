@@ -166,6 +166,7 @@ def test_goals_skip_runs_with_a_switch_set_otherwise_than_shipped(tmp_path):
     shipped = propose("a.json", "2026-12-02T10:00:00+00:00", 300.0, {"JAXSPEC_PRIME": "1"})
     propose("b.json", "2026-12-02T11:00:00+00:00", 100.0, {"JAXSPEC_PRIME": "0"})
     propose("c.json", "2026-12-02T12:00:00+00:00", 90.0, {"JAXSPEC_GC_FREEZE": "0"})
+    propose("d.json", "2026-12-02T12:30:00+00:00", 80.0, {"JAXSPEC_QKV_KERNEL": "0"})  # shipped unset only
     assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == shipped
     newest = propose("e.json", "2026-12-02T13:00:00+00:00", 250.0, {"JAXSPEC_PRIME": "1"})
     assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == newest

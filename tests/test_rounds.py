@@ -252,8 +252,10 @@ def test_small_buckets_draft_through_the_fused_kernels(oracle, monkeypatch):
     """By default (fused_draft None) the buckets up to FUSED_MAX_BUCKET draft through the fused kernels and larger
     ones through the jnp step. Buckets 2 and 4, four requests of which two stop early so that both buckets decode:
     the fused step is traced for bucket 2 only, and the engine (kernels interpreted on the CPU, R 2 with overlap)
-    gives transformers' greedy continuations."""
+    gives transformers' greedy continuations. The verify steps (k + 1 positions) do not run the q/k/v kernel
+    (`cache.qkv_kernel_on`: by default one-position steps only)."""
     import jaxspec.draft.bucketed as bucketed
+    from jaxspec.pallas import qkv_cache
 
     assert bucketed.FUSED_MAX_BUCKET == 2  # the sizes below straddle it
     traced = []
@@ -264,6 +266,10 @@ def test_small_buckets_draft_through_the_fused_kernels(oracle, monkeypatch):
 
     propose_fused = bucketed.propose_fused
     monkeypatch.setattr(bucketed, "propose_fused", spy)
+    monkeypatch.delenv("JAXSPEC_QKV_KERNEL", raising=False)
+    qkv_rows = []
+    monkeypatch.setattr(qkv_cache, "pallas_call", lambda *a, real=qkv_cache.pallas_call, **kw: qkv_rows.append(
+        kw["grid"]) or real(*a, **kw))
     cfg, params, acfg, aparams, prompts, outs = oracle
     eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(2, 4), max_running=4, page_size=4,
                  max_context=64, prefill_chunk=8, rounds_per_call=2, overlap=True, use_kernels=True)
@@ -278,6 +284,7 @@ def test_small_buckets_draft_through_the_fused_kernels(oracle, monkeypatch):
     assert [r.output_ids for r in reqs] == [o[:n] for o, n in zip(outs, lengths)]
     assert set(traced) == {2}, traced
     assert set(decoded) == {2, 4}, decoded
+    assert not qkv_rows, qkv_rows
 
 
 @pytest.mark.parametrize("switch", [None, "0", "merged"], ids=["default", "off", "merged"])
@@ -359,7 +366,7 @@ def test_split_products_engine_equals_transformers_greedy(oracle, monkeypatch):
 
 
 def test_qkv_kernel_engine_equals_transformers_greedy(oracle, monkeypatch):
-    """JAXSPEC_QKV_KERNEL=1 (off by default): a non-shared layer's q/k/v norms, RoPE and K/V write as one kernel
+    """JAXSPEC_QKV_KERNEL=1 (by default one-position steps only): a non-shared layer's q/k/v norms, RoPE and K/V write as one kernel
     (`qkv_cache.qkv_cache`), a KV-shared layer's q norm and RoPE as one (`q_rope`), interpreted here, in prefill chunks
     and verify steps; at R 2 with overlap the engine gives transformers' greedy continuations. (Their comparisons with
     the references: tests/test_qkv_cache.py.)"""
@@ -373,6 +380,25 @@ def test_qkv_kernel_engine_equals_transformers_greedy(oracle, monkeypatch):
     assert got == want
     for name in ("qkv_cache", "q_rope"):  # the oracle's KV-shared layers run q_rope
         assert len({m for n, m in rows if n == name}) > 1, rows  # traced in prefill chunks and verify steps
+
+
+def test_qkv_kernel_runs_by_default_in_one_position_steps_only(oracle, monkeypatch):
+    """JAXSPEC_QKV_KERNEL unset (the default): plain decoding's one-position steps run `qkv_cache` / `q_rope`
+    (interpreted here) and its prefill chunks do not; the engine (R 2 with overlap) gives transformers' greedy
+    continuations. (That speculative verify steps do not run them: test_small_buckets_draft_through_the_fused_kernels.)"""
+    from jaxspec.pallas import qkv_cache
+
+    monkeypatch.delenv("JAXSPEC_QKV_KERNEL", raising=False)
+    rows = []
+    monkeypatch.setattr(qkv_cache, "pallas_call", lambda *a, real=qkv_cache.pallas_call, **kw: rows.append(
+        (kw["name"], kw["grid"][0])) or real(*a, **kw))
+    cfg, params, acfg, aparams, prompts, outs = oracle
+    eng = Engine(cfg, params, k=0, draft_mode="off", buckets=(4,), max_running=4, page_size=4, max_context=64,
+                 prefill_chunk=8, rounds_per_call=2, overlap=True, use_kernels=True)
+    reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
+    eng.generate(reqs)
+    assert [r.output_ids for r in reqs] == [o[:12] for o in outs]
+    assert set(rows) == {("qkv_cache", 4), ("q_rope", 4)}, rows  # bucket 4 x 1 position; never an 8-position chunk
 
 
 @pytest.mark.parametrize("others", [False, True], ids=["alone", "with-qkv-kernel-and-norms"])

@@ -214,7 +214,7 @@ def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, p
         product_in = lambda _h, _w: proj  # noqa: E731  (the layer's one q/k/v product, taken above)
     else:
         product_in = product
-    into_cache = getattr(attend, "qkv_into_cache", None)  # JAXSPEC_QKV_KERNEL=1: norms, RoPE, K/V write in one kernel
+    into_cache = getattr(attend, "qkv_into_cache", None)  # `cache.qkv_kernel_on`: norms, RoPE, K/V write in one kernel
     if into_cache is not None and "qkv_proj" in w:
         q, cache = into_cache(cache, i, product_in(h, w.vec("qkv_proj")), w.vec("q_norm"), w.vec("k_norm"),
                               positions)

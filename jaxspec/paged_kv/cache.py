@@ -144,6 +144,18 @@ def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_hea
     return merged
 
 
+def qkv_kernel_on(meta: StepMetadata) -> bool:
+    """Whether a kernel step runs `qkv_cache` / `q_rope` (a layer's q/k/v norms, RoPE and K/V write as one kernel):
+    JAXSPEC_QKV_KERNEL=1 every step, =0 none; unset, the one-position steps (plain decoding) outside the
+    batch-invariant mode, where a verify step must compute each position as a decode step does. Measured: E4B's
+    bs-1 decode step -2.7% on the H100 (six runs side by side, session 31), -1.7% on the H200 (one run, session 29);
+    the bs-1 verify step tied on the H200 (session 29) and ran 3.6% slower on the H100 (session 31)."""
+    switch = env_switch("JAXSPEC_QKV_KERNEL")
+    if switch is not None:
+        return switch
+    return meta.positions.shape[1] == 1 and not meta.invariant
+
+
 def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, mesh=None):
     """An `Attend` over the paged cache: scatter the new K/V to the write slots, attend over the read window. mesh:
     the tensor-parallel mesh (`jaxspec.parallel`), where the kernels run per device."""
@@ -159,11 +171,11 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
                           fixed_splits=meta.invariant, sems=sems)
         return attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi), kv
 
-    if use_kernels and mesh is None and env_switch("JAXSPEC_QKV_KERNEL") is True:
+    if use_kernels and mesh is None and qkv_kernel_on(meta):
         def qkv_into_cache(kv, i, out, q_norm: Vec, k_norm: Vec, positions):
             """A non-shared layer's fused q/k/v product `out` [B, T, (NH + KVH (+ KVH)) D] -> (q normed and rotated,
             kv with the step's K and V written): `qkv_cache`, one kernel for what `gemma4.joint_qkv` and the scatter
-            above run as several (JAXSPEC_QKV_KERNEL=1; then `attend` is called with k = v = None)."""
+            above run as several (`qkv_kernel_on`; then `attend` is called with k = v = None)."""
             t, layer = cfg.kv_slot(i)
             stack = kv[t]
             cos, sin = rope_tables(positions, cfg.rope(cfg.layer_types[i]), stack.k.shape[-1], acc_dtype(out.dtype))

@@ -79,6 +79,9 @@
 # session 30 (issue #14): no device time (the session's budget was spent when it began). Queued first: s30-nodes (the
 # graph's nodes a call from traces of the shipped programs: the goal propose_e4b_bs1_4k_graph_kernels; the head's one
 # reduction fewer a step is in them, untimed otherwise), then as above.
+# session 31 (issue #14, H100 only): s30-nodes, s30-tfrt (TFRT_STEPS="diag goals"), s30-e2e (E2E_NORMS=1, then "0 1"),
+# s30-qkv-lane, s29-layer (LAYER_STEPS="decode verify", QKV 01/11 x3, verify 0 1 0 1): the q/k/v kernel shipped on in
+# one-position steps. Next: s31-qkv-default (its lane as shipped, decode bs 1 and 16), s30-nodes on an H200, goal rows.
 # Compile caches between calls and sessions: `CACHE_OUT=1 bash bench/h200.sh PART` returns the part's compile cache as
 # $OUT/jaxcache-part-* (15 MiB each; the device returns 8 files, 64 MiB in all); copy them into .jaxcache/ (ignored)
 # and name ".jaxcache" in the next call's carry: every part unpacks it first (untried on the device as of session 26).

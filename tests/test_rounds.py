@@ -248,6 +248,18 @@ def kernels_greedy(oracle):
     return [r.output_ids for r in reqs], [o[:12] for o in outs]
 
 
+def qkv_launches(monkeypatch) -> list:
+    """The q/k/v kernels' launches traced from now on, (kernel name, program rows) each, with JAXSPEC_QKV_KERNEL
+    unset (its default) unless the caller sets it after."""
+    from jaxspec.pallas import qkv_cache
+
+    monkeypatch.delenv("JAXSPEC_QKV_KERNEL", raising=False)
+    rows = []
+    monkeypatch.setattr(qkv_cache, "pallas_call", lambda *a, real=qkv_cache.pallas_call, **kw: rows.append(
+        (kw["name"], kw["grid"][0])) or real(*a, **kw))
+    return rows
+
+
 def test_small_buckets_draft_through_the_fused_kernels(oracle, monkeypatch):
     """By default (fused_draft None) the buckets up to FUSED_MAX_BUCKET draft through the fused kernels and larger
     ones through the jnp step. Buckets 2 and 4, four requests of which two stop early so that both buckets decode:
@@ -255,7 +267,6 @@ def test_small_buckets_draft_through_the_fused_kernels(oracle, monkeypatch):
     gives transformers' greedy continuations. The verify steps (k + 1 positions) do not run the q/k/v kernel
     (`cache.qkv_kernel_on`: by default one-position steps only)."""
     import jaxspec.draft.bucketed as bucketed
-    from jaxspec.pallas import qkv_cache
 
     assert bucketed.FUSED_MAX_BUCKET == 2  # the sizes below straddle it
     traced = []
@@ -266,10 +277,7 @@ def test_small_buckets_draft_through_the_fused_kernels(oracle, monkeypatch):
 
     propose_fused = bucketed.propose_fused
     monkeypatch.setattr(bucketed, "propose_fused", spy)
-    monkeypatch.delenv("JAXSPEC_QKV_KERNEL", raising=False)
-    qkv_rows = []
-    monkeypatch.setattr(qkv_cache, "pallas_call", lambda *a, real=qkv_cache.pallas_call, **kw: qkv_rows.append(
-        kw["grid"]) or real(*a, **kw))
+    qkv_rows = qkv_launches(monkeypatch)
     cfg, params, acfg, aparams, prompts, outs = oracle
     eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(2, 4), max_running=4, page_size=4,
                  max_context=64, prefill_chunk=8, rounds_per_call=2, overlap=True, use_kernels=True)
@@ -366,16 +374,12 @@ def test_split_products_engine_equals_transformers_greedy(oracle, monkeypatch):
 
 
 def test_qkv_kernel_engine_equals_transformers_greedy(oracle, monkeypatch):
-    """JAXSPEC_QKV_KERNEL=1 (by default one-position steps only): a non-shared layer's q/k/v norms, RoPE and K/V write as one kernel
-    (`qkv_cache.qkv_cache`), a KV-shared layer's q norm and RoPE as one (`q_rope`), interpreted here, in prefill chunks
-    and verify steps; at R 2 with overlap the engine gives transformers' greedy continuations. (Their comparisons with
-    the references: tests/test_qkv_cache.py.)"""
-    from jaxspec.pallas import qkv_cache
-
+    """JAXSPEC_QKV_KERNEL=1 (by default one-position steps only): a non-shared layer's q/k/v norms, RoPE and K/V
+    write as one kernel (`qkv_cache.qkv_cache`), a KV-shared layer's q norm and RoPE as one (`q_rope`), interpreted
+    here, in prefill chunks and verify steps; at R 2 with overlap the engine gives transformers' greedy
+    continuations. (Their comparisons with the references: tests/test_qkv_cache.py.)"""
+    rows = qkv_launches(monkeypatch)
     monkeypatch.setenv("JAXSPEC_QKV_KERNEL", "1")
-    rows = []
-    monkeypatch.setattr(qkv_cache, "pallas_call", lambda *a, real=qkv_cache.pallas_call, **kw: rows.append(
-        (kw["name"], kw["grid"][0])) or real(*a, **kw))
     got, want = kernels_greedy(oracle)
     assert got == want
     for name in ("qkv_cache", "q_rope"):  # the oracle's KV-shared layers run q_rope
@@ -385,13 +389,9 @@ def test_qkv_kernel_engine_equals_transformers_greedy(oracle, monkeypatch):
 def test_qkv_kernel_runs_by_default_in_one_position_steps_only(oracle, monkeypatch):
     """JAXSPEC_QKV_KERNEL unset (the default): plain decoding's one-position steps run `qkv_cache` / `q_rope`
     (interpreted here) and its prefill chunks do not; the engine (R 2 with overlap) gives transformers' greedy
-    continuations. (That speculative verify steps do not run them: test_small_buckets_draft_through_the_fused_kernels.)"""
-    from jaxspec.pallas import qkv_cache
-
-    monkeypatch.delenv("JAXSPEC_QKV_KERNEL", raising=False)
-    rows = []
-    monkeypatch.setattr(qkv_cache, "pallas_call", lambda *a, real=qkv_cache.pallas_call, **kw: rows.append(
-        (kw["name"], kw["grid"][0])) or real(*a, **kw))
+    continuations. (That speculative verify steps do not run them:
+    test_small_buckets_draft_through_the_fused_kernels.)"""
+    rows = qkv_launches(monkeypatch)
     cfg, params, acfg, aparams, prompts, outs = oracle
     eng = Engine(cfg, params, k=0, draft_mode="off", buckets=(4,), max_running=4, page_size=4, max_context=64,
                  prefill_chunk=8, rounds_per_call=2, overlap=True, use_kernels=True)

@@ -82,6 +82,8 @@
 # session 31 (issue #14, H100 only): s30-nodes, s30-tfrt (TFRT_STEPS="diag goals"), s30-e2e (E2E_NORMS=1, then "0 1"),
 # s30-qkv-lane, s29-layer (LAYER_STEPS="decode verify", QKV 01/11 x3, verify 0 1 0 1): the q/k/v kernel shipped on in
 # one-position steps. Next: s31-qkv-default (its lane as shipped, decode bs 1 and 16), s30-nodes on an H200, goal rows.
+# session 32 (issue #14): s32 (the q/k/v default's and the o/down partials' GPU lane, decode and verify A/B in one call),
+# then s30-nodes and the goal rows on an H200.
 # Compile caches between calls and sessions: `CACHE_OUT=1 bash bench/h200.sh PART` returns the part's compile cache as
 # $OUT/jaxcache-part-* (15 MiB each; the device returns 8 files, 64 MiB in all); copy them into .jaxcache/ (ignored)
 # and name ".jaxcache" in the next call's carry: every part unpacks it first (untried on the device as of session 26).
@@ -739,6 +741,29 @@ s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane a
   # goal, never traced) traced with every kernel listed
   TEST_TIMEOUT=${TEST_TIMEOUT:-240} lp_lane
   traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
+s32)  # issue #14, session 32 in one call: S32_STEPS any of "lane decode verify" (all by default). lane: the GPU tests of
+  # the q/k/v default (session 31) and of the o/down partials summed in the norms kernel (JAXSPEC_SPLIT_PRODUCTS=1);
+  # decode: bs 1 and 16 (paged) as shipped, with SPLIT 1, with QKV 0, twice in that order, one process each (the
+  # repeats load their programs from the compile cache); verify: bs 1 and 16 with SPLIT 0, 1, 0, 1. The JSONs come
+  # back in one archive (the device returns 8 files a call)
+  steps=" ${S32_STEPS:-lane decode verify} "; mkdir -p "$OUT/s32"
+  [[ $steps == *" lane "* ]] && { timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+      tests/test_row_norms.py tests/test_qkv_cache.py "tests/test_model.py::test_split_linear_equals_linear" \
+      tests/test_rounds.py -k "norm or qkv or split" > "$OUT/tests-s32.txt" 2>&1
+    grep -E "passed|failed|^FAILED" "$OUT/tests-s32.txt" | tail -8; }
+  if [[ $steps == *" decode "* ]]; then i=0; for r in 1 2; do for e in default SPLIT1 QKV0; do i=$((i + 1))
+    tag=$([[ $e == default ]] && echo default || echo "${e,,}-experiment")
+    ( unset JAXSPEC_QKV_KERNEL JAXSPEC_SPLIT_PRODUCTS
+      [[ $e == SPLIT1 ]] && export JAXSPEC_SPLIT_PRODUCTS=1; [[ $e == QKV0 ]] && export JAXSPEC_QKV_KERNEL=0
+      timeout ${DECODE_TIMEOUT:-110} python3 -m jaxspec.bench decode --bs 1,16 --cache paged \
+        --json "$OUT/s32/decode-run$i-$tag.json" >> "$OUT/s32-decode.log" 2>&1 )
+    echo "== decode $e: $(grep -h '^paged\|Error' "$OUT/s32-decode.log" | tail -2 | tr '\n' ' ')"; done; done; fi
+  if [[ $steps == *" verify "* ]]; then i=0; for v in 0 1 0 1; do i=$((i + 1))
+    tag=$([[ $v == 0 ]] && echo default || echo split1-experiment)
+    JAXSPEC_SPLIT_PRODUCTS=$v timeout ${VERIFY_TIMEOUT:-130} python3 -m jaxspec.bench verify --bs 1,16 \
+      --json "$OUT/s32/verify-run$i-$tag.json" >> "$OUT/s32-verify.log" 2>&1
+    echo "== verify SPLIT $v: $(grep -h '^step of\|Error' "$OUT/s32-verify.log" | tail -2 | tr '\n' ' ')"; done; fi
+  tar czf "$OUT/s32.tgz" -C "$OUT" s32 && rm -rf "$OUT/s32"; true ;;
 s31-qkv-default)  # issue #14: the q/k/v kernel on by default in one-position steps (plain decoding; session 31: decode bs 1
   # -2.7% on the H100 in six runs side by side, verify bs 1 +3.6%): its GPU lane (test_rounds' q/k/v tests, fp32
   # against transformers), then decode bs 1 and 16 with the switch unset (the default) and 0, twice, one process each

@@ -363,14 +363,20 @@ def test_split_products_engine_equals_transformers_greedy(oracle, monkeypatch):
     """JAXSPEC_SPLIT_PRODUCTS=1 (off by default): the engine stores the o and down stacks in pieces of their input
     (`gemma4.split_products`), and with the kernels (interpreted here) at R 2 with overlap its prefill chunks, drafts
     and verify steps give transformers' greedy continuations. (Pieces cut from the wrong axis fail the model's
-    comparison: tests/test_model.py::test_split_products_comparison_has_teeth.)"""
+    comparison: tests/test_model.py::test_split_products_comparison_has_teeth.) The residual norms kernel sums the o
+    and down products' partials itself (a kernel that drops the last one fails this)."""
+    from jaxspec.pallas import row_norms
+
     monkeypatch.setenv("JAXSPEC_SPLIT_PRODUCTS", "1")
-    calls = []
+    calls, sums = [], []
     real = gemma4.split_linear
-    monkeypatch.setattr(gemma4, "split_linear", lambda *a: calls.append(a[1].shape) or real(*a))
+    monkeypatch.setattr(gemma4, "split_linear", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    monkeypatch.setattr(row_norms, "partial_sum", lambda ref, c, S, real=row_norms.partial_sum: sums.append(S) or real(
+        ref, c, S))
     got, want = kernels_greedy(oracle)
     assert got == want
     assert calls and min(shape[0] for shape in calls) > 1  # traced through the pieces, o's and down's
+    assert sums and min(sums) > 1  # their partials summed in the norms kernel
 
 
 def test_qkv_kernel_engine_equals_transformers_greedy(oracle, monkeypatch):

@@ -111,10 +111,11 @@ SPLIT_PIECES = {"o_proj": 8, "down": 16}  # XLA's own split-K of E4B's o (4-8) a
 def split_products(params) -> dict:
     """params with each layer group's o and down stacks [L, H, K] stored in pieces of their input, `o_proj_split` and
     `down_split` [L, S, H, K/S] (S = SPLIT_PIECES, or the largest power of two below it dividing K), which
-    `decoder_layer` multiplies with `split_linear`: the pieces' sum then fuses into the residual norm that follows,
-    where XLA's own split-K product sums them in a kernel of its own (84 launches an E4B verify step, BENCHMARKS.md
-    session 16). Off by default (JAXSPEC_SPLIT_PRODUCTS=1, one device): not yet measured on the H200
-    (bench/diag_split.py, `bash bench/h200.sh s19-split`)."""
+    `decoder_layer` multiplies with `split_linear`: the residual norms kernel that follows sums the pieces' fp32
+    partials in its prologue (`layers.Partials`), where XLA's own split-K product sums them in a kernel of its own
+    (84 launches an E4B verify step, BENCHMARKS.md session 16; XLA does not fuse the sum into its norm fusions, session
+    19). Off by default (JAXSPEC_SPLIT_PRODUCTS=1, one device): compiled for the H200, E4B's bs-1 decode step 658 ->
+    609 launches; not yet timed (`bash bench/h200.sh s32`)."""
     groups = {}
     for name, group in params["layers"].items():
         group = dict(group)
@@ -228,7 +229,9 @@ def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, p
     if "o" in sites:
         o, _ = stream_product(a, None, w.vec("o_proj"), eps=eps)
     else:
-        o = split_linear(a, w["o_proj_split"]) if "o_proj_split" in w else product(a, w.vec("o_proj"))
+        # stored in pieces: the partials summed by the residual norm that takes them (`Partials`)
+        o = (split_linear(a, w["o_proj_split"], partials="mlp" not in sites) if "o_proj_split" in w
+             else product(a, w.vec("o_proj")))
     if "mlp" in sites:  # the post-attention residual, the MLP's input norm and its activation around gate/up
         act, x = stream_product(Residual(x, o, w.vec("norms", 1)), w.vec("norms", 2), w.vec("gate_up"), eps=eps,
                                 epilogue="gelu_pair")
@@ -239,7 +242,8 @@ def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, p
     if "down" in sites:
         m, _ = stream_product(act, None, w.vec("down"), eps=eps)
     else:
-        m = split_linear(act, w["down_split"]) if "down_split" in w else linear(act, w["down"])
+        to_norm = not cfg.enable_moe_block and ("qkv" not in sites if ple_i is None else "ple" not in sites)
+        m = split_linear(act, w["down_split"], partials=to_norm) if "down_split" in w else linear(act, w["down"])
     if cfg.enable_moe_block:
         experts = moe(h, residual, w, top_k=cfg.top_k_experts, eps=eps)
         m = rms_norm(m, w["moe_norms"][1], eps) + rms_norm(experts, w["moe_norms"][2], eps)

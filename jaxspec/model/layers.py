@@ -101,21 +101,38 @@ def gated_mlp(x, gate_up, down):
 SPLIT_MAX_ROWS = 128  # split_linear's pieces for at most this many rows (decode and verify steps), one product above
 
 
-def split_linear(x, pieces):
+class Partials:
+    """A product's fp32 partial sums over pieces of its input, parts [S, ..., out] (`split_linear(..., partials=True)`),
+    for a consumer that sums them itself: the residual norms kernel (`row_norms.add_norm`) adds them in its prologue,
+    so the product needs no reduction kernel of its own. `total()` is the product as `split_linear` returns it."""
+
+    def __init__(self, parts, dtype):
+        self.parts, self.dtype = parts, jnp.dtype(dtype)
+
+    @property
+    def shape(self):
+        return self.parts.shape[1:]
+
+    def total(self):
+        total = self.parts[0]
+        for s in range(1, self.parts.shape[0]):
+            total = total + self.parts[s]
+        return total.astype(self.dtype)
+
+
+def split_linear(x, pieces, *, partials: bool = False):
     """x @ w.T with w's input columns stored in S pieces, pieces [S, out, in/S] (`split_weight`). Up to SPLIT_MAX_ROWS
     rows: one batched product (its batch the piece) of fp32 partials, summed by elementwise adds and rounded once to
-    x's dtype. XLA splits such small products over their input itself and sums the pieces in a kernel of its own;
-    written out, the adds can fuse into the consumer (the residual norm after the o and down products), one kernel
-    fewer a product. More rows (prefill chunks): one product over both the piece and its columns, no partials."""
+    x's dtype, or with partials=True handed on unsummed (`Partials`) to a consumer that sums them. XLA splits such
+    small products over their input itself and sums the pieces in a kernel of its own; written out, the sum can go
+    into the consumer (the residual norm after the o and down products), one kernel fewer a product. More rows
+    (prefill chunks): one product over both the piece and its columns, no partials."""
     S, _, chunk = pieces.shape
     if math.prod(x.shape[:-1]) > SPLIT_MAX_ROWS:
         return jnp.einsum("...si,soi->...o", x.reshape(*x.shape[:-1], S, chunk), pieces)
     xs = jnp.moveaxis(x.reshape(*x.shape[:-1], S, chunk), -2, 0)  # [S, ..., in/S]
-    partials = jnp.einsum("s...i,soi->s...o", xs, pieces, preferred_element_type=acc_dtype(x.dtype))
-    total = partials[0]
-    for s in range(1, S):
-        total = total + partials[s]
-    return total.astype(x.dtype)
+    parts = Partials(jnp.einsum("s...i,soi->s...o", xs, pieces, preferred_element_type=acc_dtype(x.dtype)), x.dtype)
+    return parts if partials else parts.total()
 
 
 def split_weight(w, pieces: int):

@@ -114,15 +114,18 @@ def lowest_best(sel, ids, missing: int):
     does not depend on the order XLA combines the pairs in."""
     nan = jnp.isnan(sel)
     ids = jnp.where(nan, missing, jnp.broadcast_to(ids, sel.shape).astype(jnp.int32))
-
-    def pick(a, b):
-        (av, ai), (bv, bi) = a, b
-        a_nan, b_nan = jnp.isnan(av), jnp.isnan(bv)
-        take_a = a_nan | (~b_nan & ((av > bv) | ((av == bv) & (ai < bi))))  # a NaN wins (its id is `missing`)
-        return jnp.where(take_a, av, bv), jnp.where(take_a, ai, bi)
-
     init = (jnp.array(-jnp.inf, sel.dtype), jnp.array(missing, jnp.int32))
-    return lax.reduce((sel, ids), init, pick, (sel.ndim - 1,))[1]
+    return lax.reduce((sel, ids), init, _pick_lowest_best, (sel.ndim - 1,))[1]
+
+
+def _pick_lowest_best(a, b):
+    """`lowest_best`'s combiner of two (value, id) pairs. At module level, so that lax.reduce traces it once per
+    shape: a closure made per call is a new function each time, and the eager reference path (`draft_mode="eager"`)
+    then compiled its reduction again at every draft step."""
+    (av, ai), (bv, bi) = a, b
+    a_nan, b_nan = jnp.isnan(av), jnp.isnan(bv)
+    take_a = a_nan | (~b_nan & ((av > bv) | ((av == bv) & (ai < bi))))  # a NaN wins (its id is `missing`)
+    return jnp.where(take_a, av, bv), jnp.where(take_a, ai, bi)
 
 
 def lowest_best_ref(sel, ids, missing: int):

@@ -743,7 +743,7 @@ s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane a
   traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
 s32)  # issue #14, session 32 in one call: S32_STEPS any of "lane decode verify" (all by default). lane: the GPU tests of
   # the q/k/v default (session 31) and of the o/down partials summed in the norms kernel (JAXSPEC_SPLIT_PRODUCTS=1);
-  # decode: bs 1 and 16 (paged) as shipped, with SPLIT 1, with QKV 0, twice in that order, one process each (the
+  # decode: bs 1 and 16 (paged) as shipped, with SPLIT 1, with QKV 0, S32_REPEATS (2) times in that order, one process each (the
   # repeats load their programs from the compile cache); verify: bs 1 and 16 with SPLIT 0, 1, 0, 1. The JSONs come
   # back in one archive (the device returns 8 files a call)
   steps=" ${S32_STEPS:-lane decode verify} "; mkdir -p "$OUT/s32"
@@ -751,7 +751,7 @@ s32)  # issue #14, session 32 in one call: S32_STEPS any of "lane decode verify"
       tests/test_row_norms.py tests/test_qkv_cache.py "tests/test_model.py::test_split_linear_equals_linear" \
       tests/test_rounds.py -k "norm or qkv or split" > "$OUT/tests-s32.txt" 2>&1
     grep -E "passed|failed|^FAILED" "$OUT/tests-s32.txt" | tail -8; }
-  if [[ $steps == *" decode "* ]]; then i=0; for r in 1 2; do for e in default SPLIT1 QKV0; do i=$((i + 1))
+  if [[ $steps == *" decode "* ]]; then i=0; for r in $(seq ${S32_REPEATS:-2}); do for e in default SPLIT1 QKV0; do i=$((i + 1))
     tag=$([[ $e == default ]] && echo default || echo "${e,,}-experiment")
     ( unset JAXSPEC_QKV_KERNEL JAXSPEC_SPLIT_PRODUCTS
       [[ $e == SPLIT1 ]] && export JAXSPEC_SPLIT_PRODUCTS=1; [[ $e == QKV0 ]] && export JAXSPEC_QKV_KERNEL=0

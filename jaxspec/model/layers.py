@@ -114,10 +114,16 @@ class Partials:
         return self.parts.shape[1:]
 
     def total(self):
-        total = self.parts[0]
-        for s in range(1, self.parts.shape[0]):
-            total = total + self.parts[s]
-        return total.astype(self.dtype)
+        return sum_in_order([self.parts[s] for s in range(self.parts.shape[0])]).astype(self.dtype)
+
+
+def sum_in_order(terms):
+    """terms[0] + terms[1] + ... added left to right: the one order in which a product's partials are summed, by
+    `Partials.total` and inside the kernels that take them (`row_norms.partial_sum`), so that both round alike."""
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
 
 
 def split_linear(x, pieces, *, partials: bool = False):

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxspec.model.layers import Partials, rms_norm
+from jaxspec.model.layers import Partials, rms_norm, sum_in_order
 from jaxspec.pallas.draft_layer import _interpret, _pow2_divisor
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
@@ -82,10 +82,7 @@ def supported(y, x) -> bool:
 
 def partial_sum(ref, c, S: int):
     """Columns c of a row's S fp32 partials (ref [S, H]) summed in their order, as `Partials.total` sums them."""
-    total = ref[0, c]
-    for s in range(1, S):
-        total = total + ref[s, c]
-    return total
+    return sum_in_order([ref[s, c] for s in range(S)])
 
 
 def _kernel(*refs, eps: float, chunk: int, has_scalar: bool, has_h: bool, partials: int):

@@ -113,9 +113,13 @@ def partials(dtype, S, rows, H, seed=0):
 
 
 def run_partials(y, x, args):
-    """The kernel and the reference on y's partials (jit arguments: the parts array, x)."""
+    """The kernel and the reference on y's partials (jit arguments: the parts array, x). The reference is compiled
+    without XLA's excess precision, so that it rounds the partials' total to the dtype once, as it is written (and as
+    the kernel does): by default the GPU compiler keeps the fp32 total and skips that rounding, and in bf16 the two
+    then differ by an ulp of the normed values, 9 cases of 9 on the H100 (session 33's GPU lane)."""
     got = jax.jit(lambda p, x: add_norm(Partials(p, y.dtype), x, *args, EPS))(y.parts, x)
-    want = jax.jit(lambda p, x: add_norm_ref(Partials(p, y.dtype), x, *args, EPS))(y.parts, x)
+    ref = jax.jit(lambda p, x: add_norm_ref(Partials(p, y.dtype), x, *args, EPS)).lower(y.parts, x)
+    want = ref.compile({"xla_allow_excess_precision": False})(y.parts, x)
     return got, want
 
 

@@ -47,7 +47,7 @@ def test_greedy_equals_transformers_generate(case, head, mode, threads, monkeypa
 LOSSLESS = [
     # k, draft mode, head, max running, full pages (None: no pressure), buckets, Pallas kernels (interpret on CPU),
     # rounds per decode call, overlap (the eager reference always runs one round a call without overlap)
-    (1, "bucketed", "assistant", 16, None, (1, 2, 4, 8, 16), False, 8, False),
+    (1, "bucketed", "assistant", 16, None, (1, 2, 4, 8, 16), False, 4, False),
     (2, "eager", "assistant_plain", 4, None, (1, 4), False, 1, False),
     (3, "bucketed", "assistant_plain", 8, 40, (1, 4, 8), False, 2, True),
     (5, "eager", "assistant", 3, 40, (1, 4), False, 1, False),

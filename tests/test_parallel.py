@@ -68,9 +68,14 @@ for tp in (1, 2, 4):
 """
 
 
+def devices_flag(n: int) -> str:
+    """n forced CPU devices, on top of this process's XLA flags (conftest's compile speed-up among them)."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": devices_flag(4), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__)),
                                           os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
@@ -118,7 +123,7 @@ def test_generate_tp_2_writes_the_transformers_tokens(tmp_path):
                                for i in range(2)))
     n = min(ref[f"greedy_out_{i}"].shape[1] - ref[f"greedy_prompt_{i}"].shape[1] for i in range(2))
     out = tmp_path / "out.jsonl"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": devices_flag(2), "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, "-m", "jaxspec.generate", "--model", golden_path("e2b", "target"), "--assistant",
            golden_path("e2b", "assistant"), "--prompts", str(prompts), "--max-new-tokens", str(n), "--ignore-eos",
            "--draft-bs", "2", "--max-running-requests", "2", "--max-context", "64", "--tp", "2", "--quiet",

@@ -115,7 +115,8 @@ def split_products(params) -> dict:
     partials in its prologue (`layers.Partials`), where XLA's own split-K product sums them in a kernel of its own
     (84 launches an E4B verify step, BENCHMARKS.md session 16; XLA does not fuse the sum into its norm fusions, session
     19). Off by default (JAXSPEC_SPLIT_PRODUCTS=1, one device): compiled for the H200, E4B's bs-1 decode step 658 ->
-    609 launches; not yet timed (`bash bench/h200.sh s32`)."""
+    609 launches, yet on the H100 that step ran 3% slower with it (4.77 -> 4.93 ms) and the verify step 1% slower
+    (session 33, `bash bench/h200.sh s32`)."""
     groups = {}
     for name, group in params["layers"].items():
         group = dict(group)

@@ -741,6 +741,22 @@ s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane a
   # goal, never traced) traced with every kernel listed
   TEST_TIMEOUT=${TEST_TIMEOUT:-240} lp_lane
   traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
+s34-lane)  # issue #14: the whole GPU lane of the current tree in two calls (PART 1: the kernels, model, paged cache,
+  # drafter and layer-kernel files; PART 2: test_rounds and test_engine), pytest-xdist workers sharing the GPU (memory
+  # not preallocated; xdist carried in .whl/ when the machine lacks it), every test's outcome listed (-v)
+  python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/*.whl > /dev/null 2>&1 \
+    || { mkdir -p /tmp/xd && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/xd; done; export PYTHONPATH=.:/tmp/xd; }
+  case ${PART:-1} in
+    1) files="tests/test_kernels.py tests/test_model.py tests/test_paged.py tests/test_drafter.py tests/test_draft_layer.py
+        tests/test_qkv_cache.py tests/test_row_norms.py tests/test_gemv.py tests/test_layer_products.py
+        tests/test_staging.py tests/test_pool.py" ;;
+    *) files="tests/test_rounds.py tests/test_engine.py" ;;
+  esac
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-560} python3 -m pytest -v -p no:cacheprovider --tb=short \
+    -rfE -n ${WORKERS:-8} --dist loadgroup $files > "$OUT/tests-s34-part${PART:-1}.txt" 2>&1
+  grep -E "(passed|failed).* in |^FAILED|^ERROR" "$OUT/tests-s34-part${PART:-1}.txt" | tail -20
+  echo "outcomes: $(grep -cE ' PASSED ' "$OUT/tests-s34-part${PART:-1}.txt") passed, $(grep -cE ' FAILED ' \
+    "$OUT/tests-s34-part${PART:-1}.txt") failed, $(grep -cE ' SKIPPED ' "$OUT/tests-s34-part${PART:-1}.txt") skipped" ;;
 s32)  # issue #14, session 32 in one call: S32_STEPS any of "lane decode verify" (all by default). lane: the GPU tests of
   # the q/k/v default (session 31) and of the o/down partials summed in the norms kernel (JAXSPEC_SPLIT_PRODUCTS=1);
   # decode: bs 1 and 16 (paged) as shipped, with SPLIT 1, with QKV 0, S32_REPEATS (2) times in that order, one process each (the

@@ -84,6 +84,8 @@
 # one-position steps. Next: s31-qkv-default (its lane as shipped, decode bs 1 and 16), s30-nodes on an H200, goal rows.
 # session 32 (issue #14): s32 (the q/k/v default's and the o/down partials' GPU lane, decode and verify A/B in one call),
 # then s30-nodes and the goal rows on an H200.
+# session 34 (issue #14, H100 only): s34-lane (PART 1, 2: the whole GPU lane), the o/down partials' decode traced,
+# bench/diag_one_row_products.py. Next: s34-one-row (carry .before), then s30-nodes and goal-rows on an H200.
 # Compile caches between calls and sessions: `CACHE_OUT=1 bash bench/h200.sh PART` returns the part's compile cache as
 # $OUT/jaxcache-part-* (15 MiB each; the device returns 8 files, 64 MiB in all); copy them into .jaxcache/ (ignored)
 # and name ".jaxcache" in the next call's carry: every part unpacks it first (untried on the device as of session 26).
@@ -741,6 +743,21 @@ s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane a
   # goal, never traced) traced with every kernel listed
   TEST_TIMEOUT=${TEST_TIMEOUT:-240} lp_lane
   traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
+s34-one-row)  # issue #14 (next): one-row bf16 products with fp32 terms on the GPU (`layers.one_row_product`, session 34)
+  # timed against the tree before (.before/layers.py, carried: `git show a118926:jaxspec/model/layers.py`): decode bs 1
+  # (paged, 4K) new, before, new, before, one process each; then the GPU checks (the diag, the one-row tests)
+  [ -f .before/layers.py ] || { echo "carry .before/layers.py"; exit 2; }
+  cp jaxspec/model/layers.py /tmp/layers-new.py
+  for tag in new before new before; do
+    if [ $tag = new ]; then cp /tmp/layers-new.py jaxspec/model/layers.py; else cp .before/layers.py jaxspec/model/layers.py; fi
+    timeout ${DECODE_TIMEOUT:-120} python3 -m jaxspec.bench decode --bs 1 --cache paged \
+      --json "$OUT/decode-one-row-$tag$([ $tag = before ] && echo -experiment).json" >> "$OUT/one-row.log" 2>&1
+    echo "== $tag: $(grep -h '^step of\|Error' "$OUT/one-row.log" | tail -1)"; done
+  cp /tmp/layers-new.py jaxspec/model/layers.py
+  timeout 90 python3 bench/diag_one_row_products.py 2>&1 | grep '^rows'
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_model.py \
+    tests/test_layer_products.py -k "one_row or 1x640" > "$OUT/tests-one-row.txt" 2>&1
+  grep -E "passed|failed|^FAILED" "$OUT/tests-one-row.txt" | tail -6 ;;
 s34-lane)  # issue #14: the whole GPU lane of the current tree in two calls (PART 1: the kernels, model, paged cache,
   # drafter and layer-kernel files; PART 2: test_rounds and test_engine), pytest-xdist workers sharing the GPU (memory
   # not preallocated; xdist carried in .whl/ when the machine lacks it), every test's outcome listed (-v)

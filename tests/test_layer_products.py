@@ -67,7 +67,8 @@ SITES = {
 # multiply and a reduction whose multiply runs in bf16, rounding each term of the sum to bf16 before the fp32 sum
 # (the kernel, like transformers' cuBLAS products, keeps each term exact). With it the 1-row bf16 cases differed by a
 # few bf16 ulps (4 of the 5 sites failed on the H100, session 34's GPU lane; session 26's first four failures on the
-# H200 were these). The pass does not run on the CPU.
+# H200 were these). The pass does not run on the CPU. (Since then `layers.linear`, which the reference calls, writes
+# such one-row products out with fp32 terms on the GPU itself; the option keeps the reference exact whatever path.)
 REFERENCE_OPTIONS = {"xla_disable_hlo_passes": "dot-strength-reduction"}
 
 

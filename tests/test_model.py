@@ -337,3 +337,43 @@ def test_stored_params_fuse_once_and_only_on_one_device(case, monkeypatch):
         gemma4.stored_params(stored, 2)
     monkeypatch.setenv("JAXSPEC_FUSE_QKV", "0")
     assert gemma4.stored_params(params) is params
+
+
+
+def outputs_not_exactly_rounded(product, x, w) -> int:
+    """How many outputs of `product` are more than half a bf16 ulp from the fp64 product of the same bf16 values
+    (0 when each is the exact sum rounded once; an fp32 sum's own rounding moves an output across a tie only rarely)."""
+    exact = np.asarray(x, np.float64).reshape(-1, x.shape[-1]) @ np.asarray(w, np.float64).T
+    got = np.asarray(jax.jit(product)(x, w), np.float64).reshape(exact.shape)
+    half_ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(exact), 1e-30))) - 8)
+    return int((np.abs(got - exact) > half_ulp * (1 + 1e-6)).sum())
+
+
+def one_row_operands():
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 1, 2560)).astype(jnp.bfloat16)
+    w = (jax.random.normal(jax.random.PRNGKey(1), (1024, 2560)) * 2560**-0.5).astype(jnp.bfloat16)
+    return x, w
+
+
+def test_one_row_product_keeps_every_term_exact():
+    """What `layers.linear` runs on the GPU for a one-row bf16 product that XLA would strength-reduce (there its
+    multiply is bf16: 212 of 512 outputs more than half an ulp off on the H100, BENCHMARKS.md session 34): its outputs
+    are the exact products' sums rounded once, as the plain dot's on this CPU (at most 1 in 200 across a tie by the
+    fp32 sum's order); on this platform `linear` is the dot itself."""
+    x, w = one_row_operands()
+    assert w.size <= layers.STRENGTH_REDUCED_MAX
+    assert outputs_not_exactly_rounded(layers.one_row_product, x, w) <= 5
+    assert outputs_not_exactly_rounded(layers.dot, x, w) <= 5
+    np.testing.assert_array_equal(np.asarray(layers.linear(x, w), np.float32),
+                                  np.asarray(layers.dot(x, w), np.float32))
+
+
+def test_one_row_product_check_has_teeth():
+    """The check above fails a product whose terms are rounded to bf16 before the fp32 sum (XLA's rewrite on the
+    GPU, written out with `reduce_precision`, which no compiler pass removes)."""
+    x, w = one_row_operands()
+
+    def rounded_terms(x, w):
+        terms = x.astype(jnp.float32)[..., None, :] * w.astype(jnp.float32)
+        return jnp.sum(jax.lax.reduce_precision(terms, exponent_bits=8, mantissa_bits=7), axis=-1).astype(x.dtype)
+    assert outputs_not_exactly_rounded(rounded_terms, x, w) > 100

@@ -81,9 +81,31 @@ def gelu_tanh(x):
     return jax.nn.gelu(x, approximate=True)
 
 
+# XLA's GPU compiler rewrites a product of one row whose weight has at most this many elements into a multiply and a
+# reduction (its dot strength reduction, `IsMatrixMultiplicationTooSmallForRewriting(dot, 10000000)`), and runs the
+# multiply in the dot's dtype: in bf16 each term is rounded to bf16 before the fp32 sum (BENCHMARKS.md, session 34).
+STRENGTH_REDUCED_MAX = 10_000_000
+
+
 def linear(x, w):
-    """x @ w.T with w in HF layout [out, in]."""
+    """x @ w.T with w in HF layout [out, in]. Where XLA on the GPU would strength-reduce it (one row of a 16-bit
+    dtype, at most STRENGTH_REDUCED_MAX weights), the same multiply and reduction written out with fp32 terms
+    (`one_row_product`), as transformers' cuBLAS products and XLA's own GEMMs (every product of more rows) compute
+    them; XLA fuses them into the one reduction kernel it would have made. Other platforms keep the dot."""
+    if (jnp.dtype(x.dtype).itemsize < 4 and x.dtype == w.dtype and math.prod(x.shape[:-1]) == 1
+            and w.size <= STRENGTH_REDUCED_MAX):
+        return jax.lax.platform_dependent(x, w, cuda=one_row_product, default=dot)
+    return dot(x, w)
+
+
+def dot(x, w):
     return jnp.einsum("...i,oi->...o", x, w)
+
+
+def one_row_product(x, w):
+    """x @ w.T as a multiply in fp32 (every term exact) and an fp32 sum over the input, rounded once to x's dtype."""
+    acc = acc_dtype(x.dtype)
+    return jnp.sum(x.astype(acc)[..., None, :] * w.astype(acc), axis=-1).astype(x.dtype)
 
 
 def mlp_activation(x, gate_up):

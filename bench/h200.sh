@@ -744,20 +744,28 @@ s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane a
   TEST_TIMEOUT=${TEST_TIMEOUT:-240} lp_lane
   traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
 s34-one-row)  # issue #14 (next): one-row bf16 products with fp32 terms on the GPU (`layers.one_row_product`, session 34)
-  # timed against the tree before (.before/layers.py, carried: `git show a118926:jaxspec/model/layers.py`): decode bs 1
-  # (paged, 4K) new, before, new, before, one process each; then the GPU checks (the diag, the one-row tests)
+  # against the tree before (.before/layers.py, carried: `git show a118926:jaxspec/model/layers.py`). ONE_ROW_STEPS, any
+  # of "decode checks e2e" ("decode checks" by default): decode bs 1 (paged, 4K) new, before, new, before, one process
+  # each; the GPU checks (the diag, the one-row tests); the bs-1 spec = plain fraction (`same_as_plain`, E4B random
+  # pair, 16 prompts of 1K, 64 new tokens, k 4) new then before (~4-5 min: a call of its own)
   [ -f .before/layers.py ] || { echo "carry .before/layers.py"; exit 2; }
-  cp jaxspec/model/layers.py /tmp/layers-new.py
-  for tag in new before new before; do
-    if [ $tag = new ]; then cp /tmp/layers-new.py jaxspec/model/layers.py; else cp .before/layers.py jaxspec/model/layers.py; fi
+  steps=" ${ONE_ROW_STEPS:-decode checks} "; cp jaxspec/model/layers.py /tmp/layers-new.py
+  use() { if [ "$1" = new ]; then cp /tmp/layers-new.py jaxspec/model/layers.py; else cp .before/layers.py jaxspec/model/layers.py; fi; }
+  tail_of() { [ "$1" = before ] && echo -experiment; }
+  [[ $steps == *" decode "* ]] && for tag in new before new before; do use $tag
     timeout ${DECODE_TIMEOUT:-120} python3 -m jaxspec.bench decode --bs 1 --cache paged \
-      --json "$OUT/decode-one-row-$tag$([ $tag = before ] && echo -experiment).json" >> "$OUT/one-row.log" 2>&1
+      --json "$OUT/decode-one-row-$tag$(tail_of $tag).json" >> "$OUT/one-row.log" 2>&1
     echo "== $tag: $(grep -h '^step of\|Error' "$OUT/one-row.log" | tail -1)"; done
-  cp /tmp/layers-new.py jaxspec/model/layers.py
-  timeout 90 python3 bench/diag_one_row_products.py 2>&1 | grep '^rows'
-  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_model.py \
-    tests/test_layer_products.py -k "one_row or 1x640" > "$OUT/tests-one-row.txt" 2>&1
-  grep -E "passed|failed|^FAILED" "$OUT/tests-one-row.txt" | tail -6 ;;
+  use new
+  [[ $steps == *" checks "* ]] && { timeout 90 python3 bench/diag_one_row_products.py 2>&1 | grep '^rows'
+    timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_model.py \
+      tests/test_layer_products.py -k "one_row or 1x640" > "$OUT/tests-one-row.txt" 2>&1
+    grep -E "passed|failed|^FAILED" "$OUT/tests-one-row.txt" | tail -6; }
+  [[ $steps == *" e2e "* ]] && for tag in new before; do use $tag
+    timeout ${E2E_TIMEOUT:-280} python3 -m jaxspec.bench e2e --bs 1 --requests 16 --prompt-len 1024 --new-tokens 64 \
+      --modes off,bucketed -k 4 --json "$OUT/e2e-one-row-$tag$(tail_of $tag).json" > "$OUT/e2e-one-row-$tag.log" 2>&1
+    echo "== $tag: $(grep -h -A3 '^bs ' "$OUT/e2e-one-row-$tag.log" | tr '\n' ' ')"; done
+  use new; true ;;
 s34-lane)  # issue #14: the whole GPU lane of the current tree in two calls (PART 1: the kernels, model, paged cache,
   # drafter and layer-kernel files; PART 2: test_rounds and test_engine), pytest-xdist workers sharing the GPU (memory
   # not preallocated; xdist carried in .whl/ when the machine lacks it), every test's outcome listed (-v)

@@ -70,6 +70,16 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def bf16_not_exactly_rounded(got, x, w) -> int:
+    """How many outputs `got` of the product x @ w.T (bf16 operands) are more than half a bf16 ulp from the fp64
+    product of the same values (0 when each is the exact sum rounded once; an fp32 sum's own rounding moves an output
+    across a tie only rarely)."""
+    exact = np.asarray(x, np.float64).reshape(-1, x.shape[-1]) @ np.asarray(w, np.float64).T
+    got = np.asarray(got, np.float64).reshape(exact.shape)
+    half_ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(exact), 1e-30))) - 8)
+    return int((np.abs(got - exact) > half_ulp * (1 + 1e-6)).sum())
+
+
 def check_outputs(got, want, dtype, *, bf16_atol: float, fp32_tol: float, same_shapes: bool = True):
     """A kernel's outputs (a tuple, None where an output is absent) against its reference's: bf16 within one bf16 step
     (rtol 2^-7, atol `bf16_atol` × the largest |value|), fp32 within `fp32_tol` relative."""

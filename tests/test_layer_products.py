@@ -74,22 +74,15 @@ REFERENCE_OPTIONS = {"xla_disable_hlo_passes": "dot-strength-reduction"}
 
 @functools.lru_cache(maxsize=None)
 def _runner(site, kernel, form):
-    """One compiled function of the operands' shapes a (site, kernel or reference, form): calls on operands of the
-    same shapes reuse its compile."""
+    """One jitted function of the operands a (site, kernel or reference, form): calls on operands of the same shapes
+    reuse its compile."""
     def f(*ops):
         stream, norm, w, epilogue, mul = SITES[site](*ops)
         if not kernel:
             return stream_product_ref(stream, norm, w, eps=EPS, epilogue=epilogue, mul=mul)
         return stream_product(stream, norm, w, eps=EPS, epilogue=epilogue, mul=mul,
                               config=layer_products.Config(form=form))
-    compiled = {}
-
-    def call(*ops):
-        key = tuple((o.shape, o.dtype) for o in ops)
-        if key not in compiled:
-            compiled[key] = jax.jit(f).lower(*ops).compile(None if kernel else REFERENCE_OPTIONS)
-        return compiled[key](*ops)
-    return call
+    return jax.jit(f, compiler_options=None if kernel else REFERENCE_OPTIONS)
 
 
 def run(site, ops, kernel=True, form="dot", fresh=False):

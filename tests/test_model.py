@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import golden_path, load_reference
+from conftest import bf16_not_exactly_rounded, golden_path, load_reference, on_gpu
 from jaxspec.config import FULL, SLIDING, PRESETS, ConfigError, Rope
 from jaxspec.model import gemma4, layers
 from jaxspec.model.hf import load_target_config
@@ -340,12 +340,7 @@ def test_stored_params_fuse_once_and_only_on_one_device(case, monkeypatch):
 
 
 def outputs_not_exactly_rounded(product, x, w) -> int:
-    """How many outputs of `product` are more than half a bf16 ulp from the fp64 product of the same bf16 values
-    (0 when each is the exact sum rounded once; an fp32 sum's own rounding moves an output across a tie only rarely)."""
-    exact = np.asarray(x, np.float64).reshape(-1, x.shape[-1]) @ np.asarray(w, np.float64).T
-    got = np.asarray(jax.jit(product)(x, w), np.float64).reshape(exact.shape)
-    half_ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(exact), 1e-30))) - 8)
-    return int((np.abs(got - exact) > half_ulp * (1 + 1e-6)).sum())
+    return bf16_not_exactly_rounded(jax.jit(product)(x, w), x, w)
 
 
 def one_row_operands():
@@ -363,11 +358,10 @@ def test_one_row_product_keeps_every_term_exact():
     assert w.size <= layers.STRENGTH_REDUCED_MAX
     assert outputs_not_exactly_rounded(layers.one_row_product, x, w) <= 5
     assert outputs_not_exactly_rounded(layers.linear, x, w) <= 5
-    on_gpu = jax.default_backend() == "gpu"
     off = outputs_not_exactly_rounded(layers.dot, x, w)
-    assert off > 100 if on_gpu else off <= 5, off
+    assert off > 100 if on_gpu() else off <= 5, off
     np.testing.assert_array_equal(np.asarray(jax.jit(layers.linear)(x, w), np.float32),
-                                  np.asarray(jax.jit(layers.one_row_product if on_gpu else layers.dot)(x, w),
+                                  np.asarray(jax.jit(layers.one_row_product if on_gpu() else layers.dot)(x, w),
                                              np.float32))
 
 

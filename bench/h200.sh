@@ -86,6 +86,7 @@
 # then s30-nodes and the goal rows on an H200.
 # session 34 (issue #14, H100 only): s34-lane (PART 1, 2: the whole GPU lane), the o/down partials' decode traced,
 # bench/diag_one_row_products.py. Next: s34-one-row (carry .before), then s30-nodes and goal-rows on an H200.
+# session 35 (issue #14, H100): s34-one-row, then ONE_ROW_STEPS=e2e s34-one-row (the one-row products timed: kept).
 # Compile caches between calls and sessions: `CACHE_OUT=1 bash bench/h200.sh PART` returns the part's compile cache as
 # $OUT/jaxcache-part-* (15 MiB each; the device returns 8 files, 64 MiB in all); copy them into .jaxcache/ (ignored)
 # and name ".jaxcache" in the next call's carry: every part unpacks it first (untried on the device as of session 26).

@@ -744,6 +744,23 @@ s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane a
   # goal, never traced) traced with every kernel listed
   TEST_TIMEOUT=${TEST_TIMEOUT:-240} lp_lane
   traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
+s35-pinned)  # issue #14: the propose's host input through persistent pinned host arrays (JAXSPEC_PINNED_INPUTS,
+  # `staging.PinnedRing`, session 35): bench/diag_dispatch.py (its pinned_reused row against goal and preput_same, and
+  # the drafts through the ring against the default program's), the ring's tests on the GPU, then the bs-1 and bs-64
+  # propose with the switch 0 and 1, alternating, one process each, as long as the call's time allows (PINNED_BUDGET s)
+  timeout ${DIAG_TIMEOUT:-150} python3 bench/diag_dispatch.py --iters 200 --json "$OUT/diag-dispatch-pinned.json" \
+    > /tmp/diag-dispatch-pinned.log 2>&1  # (the device returns 8 files: the rows are in the JSON and printed here)
+  grep -E "^(goal|exe_numpy|preput_same|put_only|pinned_|trivial)|equal|Error|error" /tmp/diag-dispatch-pinned.log | head -16
+  timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_staging.py \
+    -k "pinned or ring" > "$OUT/tests-pinned.txt" 2>&1; grep -E "passed|failed|^FAILED" "$OUT/tests-pinned.txt" | tail -4
+  run=0
+  for v in ${PINNED_SEQ:-0 1 0 1}; do run=$((run + 1))
+    [ $SECONDS -lt ${PINNED_BUDGET:-420} ] || { echo "== time: stopped before run $run"; break; }
+    JAXSPEC_PINNED_INPUTS=$v timeout ${PROPOSE_TIMEOUT:-200} python3 -m jaxspec.bench propose --bs ${PINNED_BS:-1,64} \
+      --ctx 4096 --variants bucketed --json "$OUT/propose-pinned$v-run$run.json" > /tmp/propose-pinned-run$run.log 2>&1
+    cat /tmp/propose-pinned-run$run.log >> "$OUT/propose-pinned.log"
+    echo "== JAXSPEC_PINNED_INPUTS=$v run $run: $(grep -h '^propose ctx\|Error' /tmp/propose-pinned-run$run.log | tr '\n' ' ')"
+  done; true ;;
 s34-one-row)  # issue #14 (next): one-row bf16 products with fp32 terms on the GPU (`layers.one_row_product`, session 34)
   # against the tree before (.before/layers.py, carried: `git show a118926:jaxspec/model/layers.py`). ONE_ROW_STEPS, any
   # of "decode checks e2e" ("decode checks" by default): decode bs 1 (paged, 4K) new, before, new, before, one process

@@ -20,6 +20,7 @@ see these programs; values pass through bit for bit (floats travel as their bits
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 from typing import NamedTuple
@@ -134,3 +135,72 @@ def _write_into(pin, out, zero):
     pin = jax.lax.dynamic_update_slice(pin, jax.lax.slice_in_dim(out, 0, 1, axis=axis), at)
     at[axis] = zero + 1
     return jax.lax.dynamic_update_slice(pin, jax.lax.slice_in_dim(out, 1, n, axis=axis), at)
+
+
+# ---- per-call host inputs through persistent pinned host buffers ------------------------------------------------------
+PINNED = "pinned_host"
+
+
+def pinned_enabled() -> bool:
+    """JAXSPEC_PINNED_INPUTS: off unless 1 (until timed on the GPU). With it, `BucketedDrafter` takes its packed
+    per-call input from a `PinnedRing` instead of a transfer a call."""
+    return env_switch("JAXSPEC_PINNED_INPUTS") is True
+
+
+def pinned_supported(device) -> bool:
+    """Whether `device` has a pinned host memory space (GPUs and the CPU do)."""
+    try:
+        return any(m.kind == PINNED for m in device.addressable_memories())
+    except (AttributeError, NotImplementedError, jax.errors.JaxRuntimeError):
+        return False
+
+
+class PinnedRing:
+    """`depth` persistent arrays of one shape in `device`'s pinned host memory, each call's host input written into
+    the next one's memory by the host (a memmove: no PJRT transfer), for a program that copies it to the device
+    itself (`to_device`, a copy inside its own command buffer). The way vLLM feeds its CUDA graphs: persistent
+    pinned host buffers, copied to the device on the program's stream.
+
+    A transfer of a 1-KB array costs ~170-230 us of host and stream time on the H100 / H200 (BENCHMARKS.md session 29,
+    `put_only`), most of a bs-1 propose's host input. An array is written again only once the call that read it last
+    has finished (`used_by` records that call's outputs; writing waits for them, at once when the caller has already
+    read them): a ring of two lets one call be launched while the last is still running. If those outputs were deleted
+    (by the caller or by donation), the slot gets a fresh array instead (the old one lives as long as its call).
+    JAX treats arrays as immutable: these arrays are never handed to a caller, only to the program that reads them."""
+
+    def __init__(self, shape, dtype, device, depth: int = 2):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=PINNED)
+        self.arrays = [self._fresh() for _ in range(depth)]
+        self.users: list = [None] * depth
+        self.next = 0
+
+    def _fresh(self):
+        a = jax.device_put(np.zeros(self.shape, self.dtype), self.sharding)
+        a.block_until_ready()
+        return a
+
+    def write(self, host: np.ndarray) -> jax.Array:
+        """The next array of the ring, holding `host` (same shape; cast to the ring's dtype)."""
+        host = np.ascontiguousarray(host, self.dtype)
+        if host.shape != self.shape:
+            raise ValueError(f"pinned input of shape {host.shape}, the ring holds {self.shape}")
+        i = self.next
+        self.next = (i + 1) % len(self.arrays)
+        users = jax.tree.leaves(self.users[i])
+        if any(u.is_deleted() for u in users):
+            self.arrays[i] = self._fresh()
+        elif users:
+            jax.block_until_ready(users)
+        self.users[i] = None
+        ctypes.memmove(self.arrays[i].unsafe_buffer_pointer(), host.ctypes.data, host.nbytes)
+        return self.arrays[i]
+
+    def used_by(self, outputs) -> None:
+        """Record the outputs of the call that read the array `write` returned last."""
+        self.users[(self.next - 1) % len(self.arrays)] = outputs
+
+
+def to_device(x, device):
+    """Inside a program: `x` (in pinned host memory) copied to `device`'s own memory."""
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind="device"))

@@ -246,3 +246,78 @@ def test_diag_moved_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         assert err.startswith("error: ") and err.count("\n") == 1, (argv, err)
     assert DIAG.main([str(out), "x=p0"]) == 0
     assert "x (allocations" in capsys.readouterr().out
+
+
+def _drafts_of_changing_states(cfg, acfg, aparams, params, calls=5, **kw):
+    """BucketedDrafter (bucket 3) on `calls` changing host states, then once on device inputs: [(drafts, h)]."""
+    cache = make_cache(cfg)
+    d = BucketedDrafter(aparams, acfg, params["embed"], cfg, 3, buckets=(3,), seed_slots=9, **kw)
+    d.attach(cache)
+    out = []
+    for call in range(calls):
+        for rid in list(cache.pool.requests):
+            cache.pool.free(rid)
+        _, _, pt, cl, pending = random_state(cfg, 3, seed=500 + call, cache=cache)
+        inputs = (pt, cl, pending, seed_table(acfg, 9, call), np.array([4, 1, 7], np.int32))
+        out.append(tuple(np.asarray(g) for g in d.propose_bucket(3, *inputs)))
+        if call == calls - 1:
+            out.append(tuple(np.asarray(g) for g in d.propose_bucket(3, *(jax.device_put(a) for a in inputs))))
+    return d, out
+
+
+def test_pinned_inputs_give_the_staged_drafts(pair):  # noqa: F811
+    """pinned_inputs (the packed input written by the host into a persistent pinned host array, copied to the device
+    by the program): the same drafts and h, bit for bit, as the staged program given a transfer a call, on five
+    changing states (the ring of two arrays wraps twice) and on device inputs; the inputs really arrive through the
+    pinned arrays (their memory kind, the program's parameter) and the states really differ."""
+    cfg, params, acfg, aparams = pair
+    d, pinned = _drafts_of_changing_states(cfg, acfg, aparams, params, pinned_inputs=True)
+    _, staged = _drafts_of_changing_states(cfg, acfg, aparams, params, pinned_inputs=False)
+    assert d.pinned_inputs and all(a.sharding.memory_kind == staging.PINNED for a in d.rings[3].arrays)
+    assert "S(5)" in d.executables[3].as_text() or staging.PINNED in str(d.executables[3].input_shardings)
+    for (d0, h0), (d1, h1) in zip(staged, pinned, strict=True):
+        np.testing.assert_array_equal(d0, d1)
+        assert h0.tobytes() == h1.tobytes()
+    assert len({h.tobytes() for _, h in staged}) >= 4  # the calls' inputs (and so their results) differ
+
+
+def test_a_ring_that_does_not_write_fails_the_comparison(pair, monkeypatch):  # noqa: F811
+    """Sensitivity of the test above: a ring that hands back its arrays without writing the new input (each call then
+    drafts from whatever its array held) gives other drafts than the staged program's."""
+    cfg, params, acfg, aparams = pair
+    monkeypatch.setattr(staging.ctypes, "memmove", lambda *a: None)
+    _, stale = _drafts_of_changing_states(cfg, acfg, aparams, params, calls=3, pinned_inputs=True)
+    monkeypatch.undo()
+    _, staged = _drafts_of_changing_states(cfg, acfg, aparams, params, calls=3, pinned_inputs=False)
+    assert any(h0.tobytes() != h1.tobytes() for (_, h0), (_, h1) in zip(staged, stale, strict=True))
+
+
+def test_the_ring_writes_an_array_only_after_its_last_reader(monkeypatch):
+    """PinnedRing.write waits for the outputs of the call that read the array last before writing into it, never for
+    the other array's, and gives a slot a fresh array when those outputs were deleted; a wrong shape is an error."""
+    dev = jax.devices()[0]
+    ring = staging.PinnedRing((4,), np.int32, dev)
+    events = []
+    real_memmove, real_wait = staging.ctypes.memmove, staging.jax.block_until_ready
+    monkeypatch.setattr(staging.ctypes, "memmove", lambda *a: (events.append("write"), real_memmove(*a))[1])
+    monkeypatch.setattr(staging.jax, "block_until_ready",
+                        lambda x: (events.append(("wait", tuple(id(a) for a in jax.tree.leaves(x)))), real_wait(x))[1])
+    first = jnp.arange(3) + 1  # stand-ins for the outputs of the calls that read each array
+    a0 = ring.write(np.arange(4))
+    ring.used_by(first)
+    a1 = ring.write(np.arange(4) + 10)
+    ring.used_by(None)
+    assert events == ["write", "write"] and a0 is not a1
+    assert np.asarray(a0).tolist() == [0, 1, 2, 3] and np.asarray(a1).tolist() == [10, 11, 12, 13]
+    events.clear()
+    assert ring.write(np.arange(4) + 20) is a0 and events == [("wait", (id(first),)), "write"]
+    assert np.asarray(a0).tolist() == [20, 21, 22, 23]
+    gone = jnp.arange(2) + 5
+    ring.used_by(gone)
+    ring.write(np.zeros(4))  # a1: its reader recorded None, no wait
+    gone.delete()
+    events.clear()
+    fresh = ring.write(np.ones(4))
+    assert fresh is not a0 and events == ["write"] and np.asarray(fresh).tolist() == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="shape"):
+        ring.write(np.zeros(5))

@@ -95,12 +95,17 @@ class BucketedDrafter:
     array (packed on the host: one host -> device copy a call instead of four) that the program copies into one buffer
     of its own before anything reads them, and the outputs' buffers are made at the program's start (`jaxspec.staging`),
     so that fresh inputs each call move one graph node instead of most of them, and a moved output only the kernels
-    writing it; None: `$JAXSPEC_STAGE_INPUTS` (on unless 0)."""
+    writing it; None: `$JAXSPEC_STAGE_INPUTS` (on unless 0).
+
+    pinned_inputs (with stage_inputs, without donate_outputs, one device with a pinned host memory): the packed input
+    is written by the host into a persistent pinned host array (`staging.PinnedRing`, two a bucket) that the program
+    copies to the device itself, instead of a PJRT transfer a call; device inputs are brought to the host first.
+    None: `$JAXSPEC_PINNED_INPUTS` (off unless 1)."""
 
     def __init__(self, aparams, acfg: AssistantConfig, target_embed, cfg: TargetConfig, k: int, *,
                  buckets=DEFAULT_BUCKETS, seed_slots: int | None = None, use_kernels: bool = True,
                  fused: bool | None = None, compiler_options: dict | None = None, donate_outputs: bool = False,
-                 stage_inputs: bool | None = None):
+                 stage_inputs: bool | None = None, pinned_inputs: bool | None = None):
         buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"draft buckets must be positive batch sizes, got {buckets}")
@@ -109,6 +114,10 @@ class BucketedDrafter:
         self.seed_slots = seed_slots or buckets[-1] + 1
         self.use_kernels, self.fused, self.donate_outputs = use_kernels, fused, donate_outputs
         self.stage_inputs = staging.enabled() if stage_inputs is None else stage_inputs
+        pinned = staging.pinned_enabled() if pinned_inputs is None else pinned_inputs
+        self.pinned_inputs = bool(pinned) and self.stage_inputs and not donate_outputs  # and one device: `attach`
+        self.rings: dict[int, staging.PinnedRing] = {}  # with pinned_inputs: each bucket's pinned input arrays
+        self.device = None  # the one device of the cache, where pinned_inputs applies
         self.outputs: dict[int, tuple] = {}  # with donate_outputs: each bucket's last outputs, donated to its next call
         # e.g. {"xla_gpu_enable_command_buffer": ""} to measure what the graphs buy; on top of DRAFT_COMPILER_OPTIONS
         self.compiler_options = {**DRAFT_COMPILER_OPTIONS, **(compiler_options or {})}
@@ -118,6 +127,10 @@ class BucketedDrafter:
 
     def attach(self, cache: PagedKVCache) -> None:
         self.cache = cache
+        devices = {d for leaf in jax.tree.leaves(cache.kv) for d in leaf.devices()}
+        self.device = devices.pop() if len(devices) == 1 else None
+        if self.device is None or not staging.pinned_supported(self.device):
+            self.pinned_inputs = False
         self.compile()
 
     def _program(self, aparams, target_embed, kv, pages: PageTables, cached_len, pending_token, seed_table, slot,
@@ -148,6 +161,11 @@ class BucketedDrafter:
         return self._program(aparams, target_embed, kv, pages, cached_len, pending_token, seed_table, slot,
                              drafts_out, h_out)
 
+    def _pinned_program(self, aparams, target_embed, kv, swa_of_full, packed, seed_table):
+        """_packed_program with `packed` in pinned host memory, copied to the device first."""
+        return self._packed_program(aparams, target_embed, kv, swa_of_full, staging.to_device(packed, self.device),
+                                    seed_table)
+
     @staticmethod
     def pack(page_table, cached_len, pending_token, slot):
         """The packed program's one input: on the host for host arrays (one transfer), else on the device."""
@@ -160,7 +178,7 @@ class BucketedDrafter:
         """Compile every bucket against the cache's current shapes (ahead of time, off the serving path)."""
         cache, i32 = self.cache, jnp.int32
         seed_table = jax.ShapeDtypeStruct((self.seed_slots, self.acfg.backbone_hidden_size), self.target_embed.dtype)
-        self.executables, self.outputs = {}, {}
+        self.executables, self.outputs, self.rings = {}, {}, {}
         for b in self.buckets:
             vec = jax.ShapeDtypeStruct((b,), i32)
             pages = PageTables(page_table=jax.ShapeDtypeStruct((b, cache.spec.max_pages_per_request), i32),
@@ -168,7 +186,12 @@ class BucketedDrafter:
             outs = (jax.ShapeDtypeStruct((b, self.k), i32),
                     jax.ShapeDtypeStruct((b, self.acfg.backbone_hidden_size), self.target_embed.dtype))
             previous = outs if self.donate_outputs else ()
-            if self.stage_inputs:
+            if self.pinned_inputs:
+                size = b * (cache.spec.max_pages_per_request + 3)
+                self.rings[b] = staging.PinnedRing((size,), np.int32, self.device)
+                packed = jax.ShapeDtypeStruct((size,), i32, sharding=self.rings[b].sharding)
+                fn, args = self._pinned_program, (cache.kv, cache.swa_of_full, packed, seed_table)
+            elif self.stage_inputs:
                 packed = jax.ShapeDtypeStruct((b * (cache.spec.max_pages_per_request + 3),), i32)
                 fn, args = self._packed_program, (cache.kv, cache.swa_of_full, packed, seed_table)
             else:
@@ -185,6 +208,13 @@ class BucketedDrafter:
     def propose_bucket(self, bucket: int, page_table, cached_len, pending_token, seed_table, slot):
         """Inputs already padded to `bucket` rows (host numpy; seed_table [slots, H_target] on the device, `slot` the
         row of each request in it). No tracing happens here (but in `pack` for device inputs of a staged drafter)."""
+        if self.pinned_inputs:
+            packed = self.rings[bucket].write(np.asarray(self.pack(page_table, cached_len, pending_token, slot)))
+            with jax.no_tracing(True):
+                out = self.executables[bucket](self.aparams, self.target_embed, self.cache.kv,
+                                               self.cache.swa_of_full, packed, seed_table)
+            self.rings[bucket].used_by(out)
+            return out
         if self.stage_inputs:
             packed = self.pack(page_table, cached_len, pending_token, slot)
             with jax.no_tracing(True):

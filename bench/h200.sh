@@ -747,12 +747,13 @@ s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane a
 s35-pinned)  # issue #14: the propose's host input through persistent pinned host arrays (JAXSPEC_PINNED_INPUTS,
   # `staging.PinnedRing`, session 35): bench/diag_dispatch.py (its pinned_reused row against goal and preput_same, and
   # the drafts through the ring against the default program's), the ring's tests on the GPU, then the bs-1 and bs-64
-  # propose with the switch 0 and 1, alternating, one process each, as long as the call's time allows (PINNED_BUDGET s)
-  timeout ${DIAG_TIMEOUT:-150} python3 bench/diag_dispatch.py --iters 200 --json "$OUT/diag-dispatch-pinned.json" \
-    > /tmp/diag-dispatch-pinned.log 2>&1  # (the device returns 8 files: the rows are in the JSON and printed here)
-  grep -E "^(goal|exe_numpy|preput_same|put_only|pinned_|trivial)|equal|Error|error" /tmp/diag-dispatch-pinned.log | head -16
+  # propose with the switch 0 and 1, alternating, one process each, as long as the call's time allows (PINNED_BUDGET s).
+  # DIAG=0 skips the diagnosis; PINNED_SEQ (default "0 1 0 1"), PINNED_BS (default 1,64); the device returns 8 files
+  [ "${DIAG:-1}" = 1 ] && timeout ${DIAG_TIMEOUT:-150} python3 bench/diag_dispatch.py --iters 200 \
+    --json "$OUT/diag-dispatch-pinned.json" > /tmp/diag-dispatch-pinned.log 2>&1  # (the rows are in the JSON)
+  [ "${DIAG:-1}" = 1 ] && grep -E "^(goal|exe_numpy|preput_same|put_only|pinned_|trivial)|equal|Error|error" /tmp/diag-dispatch-pinned.log | head -16
   timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_staging.py \
-    -k "pinned or ring" > "$OUT/tests-pinned.txt" 2>&1; grep -E "passed|failed|^FAILED" "$OUT/tests-pinned.txt" | tail -4
+    -k "pinned or ring" > /tmp/tests-pinned.txt 2>&1; grep -E "passed|failed|^FAILED|^E  " /tmp/tests-pinned.txt | tail -8
   run=0
   for v in ${PINNED_SEQ:-0 1 0 1}; do run=$((run + 1))
     [ $SECONDS -lt ${PINNED_BUDGET:-420} ] || { echo "== time: stopped before run $run"; break; }

@@ -163,42 +163,57 @@ class PinnedRing:
 
     A transfer of a 1-KB array costs ~170-230 us of host and stream time on the H100 / H200 (BENCHMARKS.md session 29,
     `put_only`), most of a bs-1 propose's host input. An array is written again only once the call that read it last
-    has finished (`used_by` records that call's outputs; writing waits for them, at once when the caller has already
-    read them): a ring of two lets one call be launched while the last is still running. If those outputs were deleted
-    (by the caller or by donation), the slot gets a fresh array instead (the old one lives as long as its call).
-    JAX treats arrays as immutable: these arrays are never handed to a caller, only to the program that reads them."""
+    has finished (`used_by` records that call's outputs). `write` takes the array written last whenever its call is
+    done (a caller that reads each call's result before the next: the same array, at the same address, every call;
+    an input that moves makes XLA re-record the graph node reading it, session 20), else one whose call is done,
+    else waits for the one after it: a ring of two lets one call be launched while the last is still running. A slot
+    whose outputs were deleted (by the caller or by donation) gets a fresh array, used only when no other is free (the
+    old one lives as long as its call). JAX treats arrays as immutable: these are never handed to a caller, only to
+    the program that reads them."""
 
     def __init__(self, shape, dtype, device, depth: int = 2):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=PINNED)
         self.arrays = [self._fresh() for _ in range(depth)]
         self.users: list = [None] * depth
-        self.next = 0
+        self.last = 0
 
     def _fresh(self):
         a = jax.device_put(np.zeros(self.shape, self.dtype), self.sharding)
         a.block_until_ready()
         return a
 
+    def _free_slot(self) -> int:
+        """The array to write: see the class."""
+        n = len(self.arrays)
+        order = [(self.last + j) % n for j in range(n)]
+        unknown = None
+        for i in order:
+            users = jax.tree.leaves(self.users[i])
+            if any(u.is_deleted() for u in users):
+                unknown = i if unknown is None else unknown
+            elif all(u.is_ready() for u in users):
+                return i
+        if unknown is not None:
+            self.arrays[unknown] = self._fresh()
+            return unknown
+        i = order[1 % n]
+        jax.block_until_ready(self.users[i])
+        return i
+
     def write(self, host: np.ndarray) -> jax.Array:
-        """The next array of the ring, holding `host` (same shape; cast to the ring's dtype)."""
+        """An array of the ring, holding `host` (same shape; cast to the ring's dtype)."""
         host = np.ascontiguousarray(host, self.dtype)
         if host.shape != self.shape:
             raise ValueError(f"pinned input of shape {host.shape}, the ring holds {self.shape}")
-        i = self.next
-        self.next = (i + 1) % len(self.arrays)
-        users = jax.tree.leaves(self.users[i])
-        if any(u.is_deleted() for u in users):
-            self.arrays[i] = self._fresh()
-        elif users:
-            jax.block_until_ready(users)
+        i = self.last = self._free_slot()
         self.users[i] = None
         ctypes.memmove(self.arrays[i].unsafe_buffer_pointer(), host.ctypes.data, host.nbytes)
         return self.arrays[i]
 
     def used_by(self, outputs) -> None:
         """Record the outputs of the call that read the array `write` returned last."""
-        self.users[(self.next - 1) % len(self.arrays)] = outputs
+        self.users[self.last] = outputs
 
 
 def to_device(x, device):

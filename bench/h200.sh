@@ -744,6 +744,16 @@ s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane a
   # goal, never traced) traced with every kernel listed
   TEST_TIMEOUT=${TEST_TIMEOUT:-240} lp_lane
   traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
+s35-pinned-ab)  # issue #14: the pinned input against the default in one process (`bench propose --variants
+  # bucketed,pinned`, then the other order, and so on: PINNED_ORDERS runs, default 4), the bs-1 and bs-64 propose
+  run=0
+  for order in ${PINNED_ORDERS:-bucketed,pinned pinned,bucketed bucketed,pinned pinned,bucketed}; do run=$((run + 1))
+    [ $SECONDS -lt ${PINNED_BUDGET:-450} ] || { echo "== time: stopped before run $run"; break; }
+    timeout ${PROPOSE_TIMEOUT:-200} python3 -m jaxspec.bench propose --bs 1,64 --ctx 4096 --variants $order \
+      --json "$OUT/propose-pinned-ab-run$run.json" > /tmp/propose-ab-run$run.log 2>&1
+    cat /tmp/propose-ab-run$run.log >> "$OUT/propose-pinned-ab.log"
+    echo "== $order: $(grep -h '^propose ctx\|Error' /tmp/propose-ab-run$run.log | tr '\n' ' ')"
+  done; true ;;
 s35-pinned)  # issue #14: the propose's host input through persistent pinned host arrays (JAXSPEC_PINNED_INPUTS,
   # `staging.PinnedRing`, session 35): bench/diag_dispatch.py (its pinned_reused row against goal and preput_same, and
   # the drafts through the ring against the default program's), the ring's tests on the GPU, then the bs-1 and bs-64

@@ -40,7 +40,7 @@ def test_kernels(tmp_path):
 
 def test_propose(tmp_path):
     r = run(tmp_path, "propose", "--preset", "tiny", "--bs", "2", "--ctx", "40", "-k", "2", "--variants",
-            "bucketed,stable,fused,unfused_stable,eager")
+            "bucketed,stable,pinned,fused,unfused_stable,eager")
     assert [(p["ctx"], p["bs"], p["k"]) for p in r["rows"]] == [(40, 2, 2)]
     p = r["rows"][0]
     assert {"bucketed_us", "fused_us", "eager_us", "eager/bucketed", "fused/bucketed", "no_cmd/bucketed",
@@ -48,6 +48,8 @@ def test_propose(tmp_path):
     assert p["unfused_stable_us"] > 0 and p["unfused_us"] is None  # timed as listed, the rest not
     # the stable variant (inputs on the device, outputs into donated buffers) drafts what bucketed drafts
     assert p["stable_us"] > 0 and p["stable_same_drafts"] == 1.0
+    # and so does the pinned one (its input written into pinned host arrays)
+    assert p["pinned_us"] > 0 and p["pinned_same_drafts"] == 1.0
     assert p["no_cmd_buffer_us"] is None  # command buffers exist on GPUs only
     # the bucketed drafts equal the eager reference's on the same inputs (bf16 here; tests/test_drafter.py measures 0
     # of 64 bf16 trajectories differing on the CPU and on the H200)

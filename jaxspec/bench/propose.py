@@ -22,7 +22,7 @@ from jaxspec.model.weights import random_assistant_params
 from jaxspec.paged_kv.cache import PagedKVCache
 
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
-VARIANTS = ("bucketed", "staged", "stable", "fused", "fused_stable", "unfused", "unfused_stable", "no_cmd_buffer",
+VARIANTS = ("bucketed", "pinned", "staged", "stable", "fused", "fused_stable", "unfused", "unfused_stable", "no_cmd_buffer",
             "eager")
 # inputs on the device (the same buffers every call), outputs into donated buffers
 STABLE = ("stable", "fused_stable", "unfused_stable")
@@ -41,7 +41,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "with its inputs on the device, the same buffers every call, and its outputs written into the "
                    "buffers its last call returned: the addresses the engine's round programs see), staged (bucketed, "
                    "called as bucketed is, its inputs copied into one buffer of the program's own first: what bucketed "
-                   "is unless JAXSPEC_STAGE_INPUTS=0), fused (the "
+                   "is unless JAXSPEC_STAGE_INPUTS=0), pinned (bucketed with its packed input written into persistent pinned "
+                   "host arrays that the program copies itself: JAXSPEC_PINNED_INPUTS=1), fused (the "
                    "fused kernels at every bucket), fused_stable (fused, called as stable is), unfused (the jnp "
                    "step at every bucket), unfused_stable, no_cmd_buffer (bucketed without command buffers), "
                    "eager; the first one is traced with --profile-dir")
@@ -69,6 +70,8 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
     variants = list(args.variants)
     make = {"bucketed": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw),
             "staged": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, stage_inputs=True, **kw),
+            "pinned": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, stage_inputs=True,
+                                              pinned_inputs=True, **kw),
             "stable": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, donate_outputs=True, **kw),
             "fused": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, fused=True, **kw),
             "fused_stable": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, fused=True,
@@ -114,6 +117,9 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
         if "staged" in calls and "bucketed" in calls:
             row["staged_same_drafts"] = float(np.mean(np.asarray(calls["staged"](0)[0])
                                                       == np.asarray(calls["bucketed"](0)[0])))
+        if "pinned" in calls and "bucketed" in calls:
+            row["pinned_same_drafts"] = float(np.mean(np.asarray(calls["pinned"](0)[0])
+                                                      == np.asarray(calls["bucketed"](0)[0])))
         if "eager" in calls and "bucketed" in calls:
             same = np.asarray(calls["bucketed"](0)[0]) == calls["eager"](0)[0]
             row["same_drafts"] = float(np.mean(np.all(same, axis=1)))
@@ -121,6 +127,7 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
         row["fused/bucketed"] = ratio(row["fused_us"], row["bucketed_us"])
         row["stable/bucketed"] = ratio(row["stable_us"], row["bucketed_us"])
         row["staged/bucketed"] = ratio(row["staged_us"], row["bucketed_us"])
+        row["pinned/bucketed"] = ratio(row["pinned_us"], row["bucketed_us"])
         row["fused_stable/stable"] = ratio(row["fused_stable_us"], row["stable_us"])
         row["stable/unfused_stable"] = ratio(row["stable_us"], row["unfused_stable_us"])
         row["no_cmd/bucketed"] = ratio(row["no_cmd_buffer_us"], row["bucketed_us"])
@@ -149,7 +156,8 @@ def run(args) -> dict:
                     ("bucketed_device_inputs_us", "device_inputs_us", "{:.1f}"),
                     ("stable_us", "stable_us", "{:.1f}"), ("stable_dispatch_us", "stable_launch_us", "{:.1f}"),
                     ("stable/bucketed", "stable/bucketed", "{:.2f}"), ("staged_us", "staged_us", "{:.1f}"),
-                    ("staged/bucketed", "staged/bucketed", "{:.2f}"), ("fused_stable_us", "fused_stable_us", "{:.1f}"),
+                    ("staged/bucketed", "staged/bucketed", "{:.2f}"), ("pinned_us", "pinned_us", "{:.1f}"),
+                    ("pinned/bucketed", "pinned/bucketed", "{:.2f}"), ("fused_stable_us", "fused_stable_us", "{:.1f}"),
                     ("fused_stable/stable", "fused_stable/stable", "{:.2f}"),
                     ("unfused_stable_us", "unfused_stable_us", "{:.1f}"),
                     ("stable/unfused_stable", "stable/unfused_stable", "{:.2f}"),

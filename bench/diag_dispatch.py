@@ -121,7 +121,8 @@ def main():
     embed = jax.random.normal(jax.random.PRNGKey(1), (cfg.vocab_size, cfg.hidden_size), DTYPE)
     n = request_groups([a.bs])
     cache, rids = paged_cache(cfg, n, a.ctx, max_context=a.ctx, page_size=16, max_step_tokens=256, seed=a.ctx)
-    drafter = BucketedDrafter(aparams, acfg, embed, cfg, a.k, buckets=(a.bs,), seed_slots=n + 1, stage_inputs=True)
+    drafter = BucketedDrafter(aparams, acfg, embed, cfg, a.k, buckets=(a.bs,), seed_slots=n + 1, stage_inputs=True,
+                              pinned_inputs=False)  # the transfer a call (pinned_* rows: the pinned input)
     drafter.attach(cache)
     seed_table = jax.random.normal(jax.random.PRNGKey(2), (n + 1, cfg.hidden_size), DTYPE)
     sets = propose_sets(np.random.default_rng(0), cache, rids, a.bs, a.ctx, seed_table, cfg.vocab_size)

@@ -744,6 +744,16 @@ s27-first)  # issue #14 (next, one call): the layer products kernel's GPU lane a
   # goal, never traced) traced with every kernel listed
   TEST_TIMEOUT=${TEST_TIMEOUT:-240} lp_lane
   traced_propose bs64-experiment 64 bucketed ${PROPOSE_TIMEOUT:-220} 80 ;;
+s35-pinned-default)  # issue #14: the pinned input as shipped (on by default on a GPU, session 35): the GPU lane of the
+  # drafter and staging files and the propose bench's test, then the goal rows' propose (bs 1 and 64, as goal-rows
+  # runs it) twice, one process each
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_staging.py \
+    tests/test_drafter.py tests/test_bench.py -k "not test_bench or test_propose" > "$OUT/tests-pinned-default.txt" 2>&1
+  grep -E "passed|failed|^FAILED" "$OUT/tests-pinned-default.txt" | tail -8
+  for run in 1 2; do [ $SECONDS -lt ${PINNED_BUDGET:-450} ] || break
+    timeout ${PROPOSE_TIMEOUT:-200} python3 -m jaxspec.bench propose --bs 1,64 --ctx 4096 --variants bucketed \
+      --json "$OUT/propose-pinned-default-run$run.json" >> "$OUT/propose-pinned-default.log" 2>&1
+    echo "== run $run: $(grep -h '^propose ctx\|Error' "$OUT/propose-pinned-default.log" | tail -2 | tr '\n' ' ')"; done; true ;;
 s35-pinned-ab)  # issue #14: the pinned input against the default in one process (`bench propose --variants
   # bucketed,pinned`, then the other order, and so on: PINNED_ORDERS runs, default 4), the bs-1 and bs-64 propose
   run=0

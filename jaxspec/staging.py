@@ -142,9 +142,12 @@ PINNED = "pinned_host"
 
 
 def pinned_enabled() -> bool:
-    """JAXSPEC_PINNED_INPUTS: off unless 1 (until timed on the GPU). With it, `BucketedDrafter` takes its packed
-    per-call input from a `PinnedRing` instead of a transfer a call."""
-    return env_switch("JAXSPEC_PINNED_INPUTS") is True
+    """JAXSPEC_PINNED_INPUTS: `BucketedDrafter` takes its packed per-call input from a `PinnedRing` instead of a
+    transfer a call; on a GPU unless 0, elsewhere only with 1 (the CPU gains nothing: its host memory is its device's).
+    On the H100 (BENCHMARKS.md session 35, `bench propose --variants bucketed,pinned` and the other order, four
+    processes): the bs-1 propose 718 against 771 us (3 of 4 pairs), bs 64 3 365 against 3 599 (4 of 4)."""
+    value = env_switch("JAXSPEC_PINNED_INPUTS")
+    return jax.default_backend() == "gpu" if value is None else value
 
 
 def pinned_supported(device) -> bool:

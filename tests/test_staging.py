@@ -79,7 +79,8 @@ def test_each_staged_parameter_is_read_by_the_copy_alone(pair):  # noqa: F811
     readers, outs = {}, {}
     for staged in (False, True):
         cache = make_cache(cfg)
-        d = BucketedDrafter(aparams, acfg, params["embed"], cfg, 3, buckets=(3,), seed_slots=9, stage_inputs=staged)
+        d = BucketedDrafter(aparams, acfg, params["embed"], cfg, 3, buckets=(3,), seed_slots=9, stage_inputs=staged,
+                            pinned_inputs=False)
         d.attach(cache)
         readers[staged] = {name.split(".")[0]: users for name, (_, users) in
                            entry_readers(d.executables[3].as_text()).items()}
@@ -346,3 +347,20 @@ def test_the_ring_writes_an_array_only_after_its_last_reader(monkeypatch):
     assert np.asarray(a0).tolist() == [30, 31, 32, 33]  # the old array, untouched
     with pytest.raises(ValueError, match="shape"):
         ring.write(np.zeros(5))
+
+
+def test_pinned_inputs_are_on_by_default_on_a_gpu_only(monkeypatch):
+    """JAXSPEC_PINNED_INPUTS: unset, the pinned input is the GPU's default and not the CPU's; 0 and 1 decide on both;
+    anything else is a configuration error."""
+    from jaxspec.config import ConfigError
+
+    for backend, want in (("gpu", True), ("cpu", False)):
+        monkeypatch.setattr(staging.jax, "default_backend", lambda b=backend: b)
+        monkeypatch.delenv("JAXSPEC_PINNED_INPUTS", raising=False)
+        assert staging.pinned_enabled() is want
+        for value in ("0", "1"):
+            monkeypatch.setenv("JAXSPEC_PINNED_INPUTS", value)
+            assert staging.pinned_enabled() is (value == "1")
+    monkeypatch.setenv("JAXSPEC_PINNED_INPUTS", "yes")
+    with pytest.raises(ConfigError, match="JAXSPEC_PINNED_INPUTS"):
+        staging.pinned_enabled()

@@ -121,7 +121,7 @@ SHIPPED_SWITCHES = {"JAXSPEC_PRIME": "1", "JAXSPEC_GC_FREEZE": "1", "JAXSPEC_UNR
                     "JAXSPEC_JOINT_QK_NORM": "1", "JAXSPEC_GEMV": "0", "JAXSPEC_SPLIT_PRODUCTS": "0",
                     "JAXSPEC_PIN_OUTPUT": "0", "JAXSPEC_QKV_KERNEL": None,
                     "JAXSPEC_LAYER_PRODUCTS": "0", "JAXSPEC_STAGE_INPUTS": "1",
-                    "JAXSPEC_PINNED_INPUTS": "0"}
+                    "JAXSPEC_PINNED_INPUTS": "1"}
 # None: shipped unset only (JAXSPEC_QKV_KERNEL's default, on in one-position steps, is neither "0" nor "1")
 
 

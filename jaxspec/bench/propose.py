@@ -40,9 +40,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "fused kernels, larger ones through the jnp step with the attention kernel), stable (bucketed "
                    "with its inputs on the device, the same buffers every call, and its outputs written into the "
                    "buffers its last call returned: the addresses the engine's round programs see), staged (bucketed, "
-                   "called as bucketed is, its inputs copied into one buffer of the program's own first: what bucketed "
-                   "is unless JAXSPEC_STAGE_INPUTS=0), pinned (bucketed with its packed input written into persistent pinned "
-                   "host arrays that the program copies itself: JAXSPEC_PINNED_INPUTS=1), fused (the "
+                   "called as bucketed is, its inputs packed into one array transferred each call and copied into one "
+                   "buffer of the program's own first: what bucketed is with JAXSPEC_PINNED_INPUTS=0), pinned "
+                   "(staged, the packed array written into persistent pinned host arrays that the program copies "
+                   "itself: what bucketed is on a GPU unless JAXSPEC_PINNED_INPUTS=0), fused (the "
                    "fused kernels at every bucket), fused_stable (fused, called as stable is), unfused (the jnp "
                    "step at every bucket), unfused_stable, no_cmd_buffer (bucketed without command buffers), "
                    "eager; the first one is traced with --profile-dir")
@@ -69,7 +70,8 @@ def propose_rows(args, model, ctx: int, num_requests: int, eager_iters: int, rng
     kw = dict(buckets=args.bs, seed_slots=num_requests + 1)
     variants = list(args.variants)
     make = {"bucketed": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, **kw),
-            "staged": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, stage_inputs=True, **kw),
+            "staged": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, stage_inputs=True,
+                                              pinned_inputs=False, **kw),
             "pinned": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, stage_inputs=True,
                                               pinned_inputs=True, **kw),
             "stable": lambda: BucketedDrafter(aparams, acfg, target_embed, cfg, args.k, donate_outputs=True, **kw),

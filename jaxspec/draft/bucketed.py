@@ -99,8 +99,8 @@ class BucketedDrafter:
 
     pinned_inputs (with stage_inputs, without donate_outputs, one device with a pinned host memory): the packed input
     is written by the host into a persistent pinned host array (`staging.PinnedRing`, two a bucket) that the program
-    copies to the device itself, instead of a PJRT transfer a call; device inputs are brought to the host first.
-    None: `$JAXSPEC_PINNED_INPUTS` (off unless 1)."""
+    copies to the device itself, instead of a PJRT transfer a call (device inputs: copied to pinned host memory
+    first). None: `staging.pinned_enabled()` (on a GPU unless JAXSPEC_PINNED_INPUTS=0)."""
 
     def __init__(self, aparams, acfg: AssistantConfig, target_embed, cfg: TargetConfig, k: int, *,
                  buckets=DEFAULT_BUCKETS, seed_slots: int | None = None, use_kernels: bool = True,
@@ -209,11 +209,13 @@ class BucketedDrafter:
         """Inputs already padded to `bucket` rows (host numpy; seed_table [slots, H_target] on the device, `slot` the
         row of each request in it). No tracing happens here (but in `pack` for device inputs of a staged drafter)."""
         if self.pinned_inputs:
-            packed = self.rings[bucket].write(np.asarray(self.pack(page_table, cached_len, pending_token, slot)))
+            packed, ring = self.pack(page_table, cached_len, pending_token, slot), self.rings[bucket]
+            # device inputs: one copy to pinned host memory in the device's stream order (no host sync)
+            packed = jax.device_put(packed, ring.sharding) if isinstance(packed, jax.Array) else ring.write(packed)
             with jax.no_tracing(True):
                 out = self.executables[bucket](self.aparams, self.target_embed, self.cache.kv,
                                                self.cache.swa_of_full, packed, seed_table)
-            self.rings[bucket].used_by(out)
+            ring.used_by(out)
             return out
         if self.stage_inputs:
             packed = self.pack(page_table, cached_len, pending_token, slot)

@@ -86,7 +86,9 @@
 # then s30-nodes and the goal rows on an H200.
 # session 34 (issue #14, H100 only): s34-lane (PART 1, 2: the whole GPU lane), the o/down partials' decode traced,
 # bench/diag_one_row_products.py. Next: s34-one-row (carry .before), then s30-nodes and goal-rows on an H200.
-# session 35 (issue #14, H100): s34-one-row, then ONE_ROW_STEPS=e2e s34-one-row (the one-row products timed: kept).
+# session 35 (issue #14, H100): s34-one-row, then ONE_ROW_STEPS=e2e s34-one-row (the one-row products timed: kept);
+# s35-pinned (diag + 0 1 0 1), DIAG=0 PINNED_SEQ="0 1 0 1 0 1" s35-pinned, s35-pinned-ab, s35-pinned-default (pinned
+# inputs: on). Next: s35-pinned-default and goal-rows and s30-nodes on an H200.
 # Compile caches between calls and sessions: `CACHE_OUT=1 bash bench/h200.sh PART` returns the part's compile cache as
 # $OUT/jaxcache-part-* (15 MiB each; the device returns 8 files, 64 MiB in all); copy them into .jaxcache/ (ignored)
 # and name ".jaxcache" in the next call's carry: every part unpacks it first (untried on the device as of session 26).

@@ -36,6 +36,17 @@ def entry_readers(text: str) -> dict[str, tuple[str, list[str]]]:
     return out
 
 
+def _compile_with_dump(lowered, out):
+    """`lowered` compiled with XLA's dump into `out`, the persistent compilation cache off for it: an executable loaded
+    from the cache writes no dump (jax leaves the dump options out of its cache key)."""
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return lowered.compile(compiler_options={"xla_dump_to": str(out)})
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+
+
 def odd_inputs():
     """A pytree of what programs get each call: negative and large ints, float bit patterns XLA must not touch
     (NaN, -0.0, inf, denormals), bools, a zero-size leaf; and leaves never staged (bf16, one over the size limit)."""
@@ -106,7 +117,7 @@ def _assignment(fn, args, tmp_path, tag):
     """XLA's buffer assignment of `fn` compiled on the CPU, read by bench/diag_moved.py: ({allocation: (size,
     description)}, {(value, shape index): allocation})."""
     out = tmp_path / tag
-    jax.jit(fn).lower(*args).compile(compiler_options={"xla_dump_to": str(out)})
+    _compile_with_dump(jax.jit(fn).lower(*args), out)
     return DIAG.allocations(DIAG.read_dump(str(out), "jit_")[1])
 
 
@@ -186,7 +197,7 @@ def test_diag_moved_counts_the_kernels_a_moved_buffer_re_records(tmp_path):
     counts = {}
     for staged in (False, True):
         out = tmp_path / str(staged)
-        jax.jit(program(staged)).lower(*args).compile(compiler_options={"xla_dump_to": str(out)})
+        _compile_with_dump(jax.jit(program(staged)).lower(*args), out)
         hlo, assignment = diag.read_dump(str(out), "jit_fn")
         kinds, where = diag.allocations(assignment)
         kernels = diag.kernel_allocations(hlo, where)
@@ -242,7 +253,7 @@ def test_pinned_outputs_hold_no_temporaries(tmp_path):
 def test_diag_moved_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     """No dump, a malformed set, an unknown parameter or allocation: one line on stderr, exit status 2."""
     out = tmp_path / "dump"
-    jax.jit(lambda x: x * 2).lower(np.arange(4, dtype=np.int32)).compile(compiler_options={"xla_dump_to": str(out)})
+    _compile_with_dump(jax.jit(lambda x: x * 2).lower(np.arange(4, dtype=np.int32)), out)
     for argv in ([str(tmp_path / "none")], [str(out), "x"], [str(out), "x=p7"], [str(out), "x=999"],
                  [str(out), "x=p0,"]):
         assert DIAG.main(argv) == 2, argv

@@ -141,13 +141,19 @@ def _write_into(pin, out, zero):
 PINNED = "pinned_host"
 
 
-def pinned_enabled() -> bool:
+def pinned_enabled(backend: str | None = None) -> bool:
     """JAXSPEC_PINNED_INPUTS: `BucketedDrafter` takes its packed per-call input from a `PinnedRing` instead of a
     transfer a call; on a GPU unless 0, elsewhere only with 1 (the CPU gains nothing: its host memory is its device's).
     On the H100 (BENCHMARKS.md session 35, `bench propose --variants bucketed,pinned` and the other order, four
-    processes): the bs-1 propose 718 against 771 us (3 of 4 pairs), bs 64 3 365 against 3 599 (4 of 4)."""
+    processes): the bs-1 propose 718 against 771 us (3 of 4 pairs), bs 64 3 365 against 3 599 (4 of 4). backend: the
+    platform the program runs on (default: jax's default backend; `bench graph` compiles for a GPU from a CPU)."""
     value = env_switch("JAXSPEC_PINNED_INPUTS")
-    return jax.default_backend() == "gpu" if value is None else value
+    return (backend or jax.default_backend()) == "gpu" if value is None else value
+
+
+def pinned_sharding(device):
+    """`device`'s pinned host memory, where a program's pinned input lives."""
+    return jax.sharding.SingleDeviceSharding(device, memory_kind=PINNED)
 
 
 def pinned_supported(device) -> bool:
@@ -176,7 +182,7 @@ class PinnedRing:
 
     def __init__(self, shape, dtype, device, depth: int = 2):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=PINNED)
+        self.sharding = pinned_sharding(device)
         self.arrays = [self._fresh() for _ in range(depth)]
         self.users: list = [None] * depth
         self.last = 0

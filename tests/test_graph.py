@@ -83,7 +83,8 @@ def tiny_real():
                                      seed=0)
     target = random_target_params(cfg, 0, dtype=common.DTYPE)
     drafter = BucketedDrafter(random_assistant_params(acfg, 0, dtype=common.DTYPE), acfg, target["embed"], cfg, k,
-                              buckets=(bs,), seed_slots=bs + 1)
+                              buckets=(bs,), seed_slots=bs + 1,
+                              pinned_inputs=staging.pinned_enabled("gpu"))  # as a GPU builds it, as `bench graph`
     drafter.attach(cache)
     pages = PageTables(page_table=jnp.asarray(cache.pool.page_table(rids)), swa_of_full=cache.swa_of_full)
     vec = jnp.zeros(bs, jnp.int32)

@@ -221,8 +221,10 @@ def compiled_text(program: str, preset: str, bs: int, ctx: int, k: int, page_siz
     sharding = SingleDeviceSharding(device)
     spec, target, assistant, kv, pages = abstract_state(cfg, acfg, bs, ctx, page_size, sharding)
     if program == "propose":
-        drafter = BucketedDrafter(assistant, acfg, target["embed"], cfg, k, buckets=(bs,), seed_slots=bs + 1)
-        drafter.cache = types.SimpleNamespace(kv=kv, spec=spec, swa_of_full=pages.swa_of_full)
+        # pinned inputs as on a GPU (`staging.pinned_enabled`), whatever backend compiles
+        drafter = BucketedDrafter(assistant, acfg, target["embed"], cfg, k, buckets=(bs,), seed_slots=bs + 1,
+                                  pinned_inputs=staged and staging.pinned_enabled("gpu"))
+        drafter.cache, drafter.device = types.SimpleNamespace(kv=kv, spec=spec, swa_of_full=pages.swa_of_full), device
         drafter.compile()  # what attach() compiles, against the abstract cache
         return drafter.executables[bs].as_text()
     params = placed(jax.eval_shape(gemma4.stored_params, target), sharding)  # as the engine keeps them

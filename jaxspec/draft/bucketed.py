@@ -186,10 +186,9 @@ class BucketedDrafter:
             outs = (jax.ShapeDtypeStruct((b, self.k), i32),
                     jax.ShapeDtypeStruct((b, self.acfg.backbone_hidden_size), self.target_embed.dtype))
             previous = outs if self.donate_outputs else ()
-            if self.pinned_inputs:
-                size = b * (cache.spec.max_pages_per_request + 3)
-                self.rings[b] = staging.PinnedRing((size,), np.int32, self.device)
-                packed = jax.ShapeDtypeStruct((size,), i32, sharding=self.rings[b].sharding)
+            if self.pinned_inputs:  # (the bucket's PinnedRing is made at its first call)
+                packed = jax.ShapeDtypeStruct((b * (cache.spec.max_pages_per_request + 3),), i32,
+                                              sharding=staging.pinned_sharding(self.device))
                 fn, args = self._pinned_program, (cache.kv, cache.swa_of_full, packed, seed_table)
             elif self.stage_inputs:
                 packed = jax.ShapeDtypeStruct((b * (cache.spec.max_pages_per_request + 3),), i32)
@@ -209,7 +208,9 @@ class BucketedDrafter:
         """Inputs already padded to `bucket` rows (host numpy; seed_table [slots, H_target] on the device, `slot` the
         row of each request in it). No tracing happens here (but in `pack` for device inputs of a staged drafter)."""
         if self.pinned_inputs:
-            packed, ring = self.pack(page_table, cached_len, pending_token, slot), self.rings[bucket]
+            packed = self.pack(page_table, cached_len, pending_token, slot)
+            ring = self.rings.get(bucket) or self.rings.setdefault(
+                bucket, staging.PinnedRing(packed.shape, np.int32, self.device))
             # device inputs: one copy to pinned host memory in the device's stream order (no host sync)
             packed = jax.device_put(packed, ring.sharding) if isinstance(packed, jax.Array) else ring.write(packed)
             with jax.no_tracing(True):

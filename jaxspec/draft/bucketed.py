@@ -211,12 +211,14 @@ class BucketedDrafter:
             packed = self.pack(page_table, cached_len, pending_token, slot)
             ring = self.rings.get(bucket) or self.rings.setdefault(
                 bucket, staging.PinnedRing(packed.shape, np.int32, self.device))
+            on_host = not isinstance(packed, jax.Array)
             # device inputs: one copy to pinned host memory in the device's stream order (no host sync)
-            packed = jax.device_put(packed, ring.sharding) if isinstance(packed, jax.Array) else ring.write(packed)
+            packed = ring.write(packed) if on_host else jax.device_put(packed, ring.sharding)
             with jax.no_tracing(True):
                 out = self.executables[bucket](self.aparams, self.target_embed, self.cache.kv,
                                                self.cache.swa_of_full, packed, seed_table)
-            ring.used_by(out)
+            if on_host:
+                ring.used_by(out)
             return out
         if self.stage_inputs:
             packed = self.pack(page_table, cached_len, pending_token, slot)

@@ -137,7 +137,7 @@ def _write_into(pin, out, zero):
     return jax.lax.dynamic_update_slice(pin, jax.lax.slice_in_dim(out, 1, n, axis=axis), at)
 
 
-# ---- per-call host inputs through persistent pinned host buffers ------------------------------------------------------
+# ---- per-call host inputs through persistent pinned host buffers -----------------------------------------------------
 PINNED = "pinned_host"
 
 
@@ -166,7 +166,7 @@ def pinned_supported(device) -> bool:
 
 class PinnedRing:
     """`depth` persistent arrays of one shape in `device`'s pinned host memory, each call's host input written into
-    the next one's memory by the host (a memmove: no PJRT transfer), for a program that copies it to the device
+    one of them by the host (a memmove: no PJRT transfer), for a program that copies it to the device
     itself (`to_device`, a copy inside its own command buffer). The way vLLM feeds its CUDA graphs: persistent
     pinned host buffers, copied to the device on the program's stream.
 

@@ -22,8 +22,8 @@ from jaxspec.model.weights import random_assistant_params
 from jaxspec.paged_kv.cache import PagedKVCache
 
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
-VARIANTS = ("bucketed", "pinned", "staged", "stable", "fused", "fused_stable", "unfused", "unfused_stable", "no_cmd_buffer",
-            "eager")
+VARIANTS = ("bucketed", "pinned", "staged", "stable", "fused", "fused_stable", "unfused", "unfused_stable",
+            "no_cmd_buffer", "eager")
 # inputs on the device (the same buffers every call), outputs into donated buffers
 STABLE = ("stable", "fused_stable", "unfused_stable")
 

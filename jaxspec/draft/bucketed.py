@@ -115,7 +115,8 @@ class BucketedDrafter:
         self.use_kernels, self.fused, self.donate_outputs = use_kernels, fused, donate_outputs
         self.stage_inputs = staging.enabled() if stage_inputs is None else stage_inputs
         pinned = staging.pinned_enabled() if pinned_inputs is None else pinned_inputs
-        self.pinned_inputs = bool(pinned) and self.stage_inputs and not donate_outputs  # and one device: `attach`
+        # as asked; `attach` keeps it only for a cache on one device with a pinned host memory
+        self.pinned_asked = self.pinned_inputs = bool(pinned) and self.stage_inputs and not donate_outputs
         self.rings: dict[int, staging.PinnedRing] = {}  # with pinned_inputs: each bucket's pinned input arrays
         self.device = None  # the one device of the cache, where pinned_inputs applies
         self.outputs: dict[int, tuple] = {}  # with donate_outputs: each bucket's last outputs, donated to its next call
@@ -129,8 +130,7 @@ class BucketedDrafter:
         self.cache = cache
         devices = {d for leaf in jax.tree.leaves(cache.kv) for d in leaf.devices()}
         self.device = devices.pop() if len(devices) == 1 else None
-        if self.device is None or not staging.pinned_supported(self.device):
-            self.pinned_inputs = False
+        self.pinned_inputs = self.pinned_asked and self.device is not None and staging.pinned_supported(self.device)
         self.compile()
 
     def _program(self, aparams, target_embed, kv, pages: PageTables, cached_len, pending_token, seed_table, slot,
@@ -209,8 +209,9 @@ class BucketedDrafter:
         row of each request in it). No tracing happens here (but in `pack` for device inputs of a staged drafter)."""
         if self.pinned_inputs:
             packed = self.pack(page_table, cached_len, pending_token, slot)
-            ring = self.rings.get(bucket) or self.rings.setdefault(
-                bucket, staging.PinnedRing(packed.shape, np.int32, self.device))
+            if bucket not in self.rings:
+                self.rings[bucket] = staging.PinnedRing(packed.shape, np.int32, self.device)
+            ring = self.rings[bucket]
             on_host = not isinstance(packed, jax.Array)
             # device inputs: one copy to pinned host memory in the device's stream order (no host sync)
             packed = ring.write(packed) if on_host else jax.device_put(packed, ring.sharding)

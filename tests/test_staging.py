@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -38,13 +39,16 @@ def entry_readers(text: str) -> dict[str, tuple[str, list[str]]]:
 
 def _compile_with_dump(lowered, out):
     """`lowered` compiled with XLA's dump into `out`, the persistent compilation cache off for it: an executable loaded
-    from the cache writes no dump (jax leaves the dump options out of its cache key)."""
+    from the cache writes no dump (jax leaves the dump options out of its cache key). jax decides once a process
+    whether it uses the cache, so the switch is followed by `reset_cache` both ways."""
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         return lowered.compile(compiler_options={"xla_dump_to": str(out)})
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
 
 
 def odd_inputs():

@@ -38,7 +38,10 @@ def read_dump(directory: str, module: str = "") -> tuple[str, str]:
     found = [p for p in glob.glob(os.path.join(directory, "*after_optimizations-buffer-assignment.txt"))
              if re.search(module, os.path.basename(p))]
     if len(found) != 1:
-        raise ConfigError(f"expected one buffer assignment matching {module!r} in {directory}, found {len(found)}")
+        hint = " (a program loaded from jax's persistent compile cache writes no dump: compile it with the cache " \
+            "off, e.g. JAX_COMPILATION_CACHE_DIR unset)" if not found else ""
+        raise ConfigError(f"expected one buffer assignment matching {module!r} in {directory}, found {len(found)}"
+                          + hint)
     hlo = found[0].replace("-buffer-assignment.txt", ".txt")
     with open(hlo) as f, open(found[0]) as g:
         return f.read(), g.read()

@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 
 import jax
-from jax.experimental.compilation_cache import compilation_cache
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from jaxspec import staging
 from jaxspec.draft.bucketed import BucketedDrafter

@@ -186,12 +186,12 @@ class BucketedDrafter:
             outs = (jax.ShapeDtypeStruct((b, self.k), i32),
                     jax.ShapeDtypeStruct((b, self.acfg.backbone_hidden_size), self.target_embed.dtype))
             previous = outs if self.donate_outputs else ()
+            packed_shape = (b * (cache.spec.max_pages_per_request + 3),)  # `pack`'s one int32 vector
             if self.pinned_inputs:  # (the bucket's PinnedRing is made at its first call)
-                packed = jax.ShapeDtypeStruct((b * (cache.spec.max_pages_per_request + 3),), i32,
-                                              sharding=staging.pinned_sharding(self.device))
+                packed = jax.ShapeDtypeStruct(packed_shape, i32, sharding=staging.pinned_sharding(self.device))
                 fn, args = self._pinned_program, (cache.kv, cache.swa_of_full, packed, seed_table)
             elif self.stage_inputs:
-                packed = jax.ShapeDtypeStruct((b * (cache.spec.max_pages_per_request + 3),), i32)
+                packed = jax.ShapeDtypeStruct(packed_shape, i32)
                 fn, args = self._packed_program, (cache.kv, cache.swa_of_full, packed, seed_table)
             else:
                 fn, args = self._program, (cache.kv, pages, vec, vec, seed_table, vec)

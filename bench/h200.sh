@@ -89,6 +89,8 @@
 # session 35 (issue #14, H100): s34-one-row, then ONE_ROW_STEPS=e2e s34-one-row (the one-row products timed: kept);
 # s35-pinned (diag + 0 1 0 1), DIAG=0 PINNED_SEQ="0 1 0 1 0 1" s35-pinned, s35-pinned-ab, s35-pinned-default (pinned
 # inputs: on). Next: s35-pinned-default and goal-rows and s30-nodes on an H200.
+# session 37 (issue #14): goal-rows on an H200 when one comes; s37-named (decode and verify bs 1 traced with XLA's HLO
+# beside them: every kernel's µs by jax op, where the launch count of a step goes on the device).
 # Compile caches between calls and sessions: `CACHE_OUT=1 bash bench/h200.sh PART` returns the part's compile cache as
 # $OUT/jaxcache-part-* (15 MiB each; the device returns 8 files, 64 MiB in all); copy them into .jaxcache/ (ignored)
 # and name ".jaxcache" in the next call's carry: every part unpacks it first (untried on the device as of session 26).
@@ -1098,6 +1100,16 @@ s21-pin-ab)  # issue #14: JAXSPEC_PIN_OUTPUT's GPU lane (the engine against tran
       --preset E2B --bs 1 --prompt-len 256 --new-tokens 128 --modes off,bucketed -k 3 --rounds-per-call 1,4 \
       --overlap on --json "$OUT/e2e-e2b-pin$v.json" > "$OUT/e2e-e2b-pin$v.log" 2>&1
     echo "== E2B JAXSPEC_PIN_OUTPUT=$v"; grep -h "^e2e bs\|Error" "$OUT/e2e-e2b-pin$v.log"; done ;;
+s37-named)  # issue #14: decode (paged) and verify at bs 1, E4B, 4K, each traced with XLA's optimized HLO beside it, so
+  # that `bench trace --hlo` names every kernel (shape, jax op) and its µs a step; NAMED picks "decode verify" (both)
+  for g in ${NAMED:-decode verify}; do rm -rf /tmp/hlo-$g /tmp/pt-$g
+    args=$([ $g = decode ] && echo "--bs 1 --cache paged" || echo "--bs 1")
+    XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true --xla_dump_to=/tmp/hlo-$g" timeout ${NAMED_TIMEOUT:-150} \
+      python3 -m jaxspec.bench $g $args --profile-dir /tmp/pt-$g --json "$OUT/$g-named-traced.json" > "$OUT/$g-named.log" 2>&1
+    f=$(ls -S /tmp/hlo-$g/*after_optimizations.txt 2>/dev/null | head -1)
+    timeout 120 python3 -m jaxspec.bench trace /tmp/pt-$g --rounds 20 --top 1000 $([ -n "$f" ] && echo "--hlo $f") \
+      --json "$OUT/trace-$g-named.json" >> "$OUT/$g-named.log" 2>&1
+    echo "== $g: $(grep -h '^step of\|launches\|Error\|error' "$OUT/$g-named.log" | head -3 | tr '\n' ' ')"; done ;;
 s21-propose-hlo)  # issue #14: E4B's drafter propose (bs 1, 4K, the stable variant: inputs on the device) traced with
   # XLA's optimized HLO beside it, so that `bench trace --hlo` names every kernel of a propose (shape and jax op)
   rm -rf /tmp/hlo /tmp/ph

@@ -37,27 +37,10 @@ def compile_threads_env() -> int | None:
 SWITCHES = ("JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE", "JAXSPEC_UNROLL_ROUNDS", "JAXSPEC_ATTN_GATHER_Q",
             "JAXSPEC_FUSE_QKV", "JAXSPEC_ATTN_MERGED", "JAXSPEC_ATTN_PREFETCH", "JAXSPEC_FUSED_NORMS",
             "JAXSPEC_JOINT_QK_NORM", "JAXSPEC_GEMV", "JAXSPEC_SPLIT_PRODUCTS", "JAXSPEC_PIN_OUTPUT",
-            "JAXSPEC_QKV_KERNEL", "JAXSPEC_LAYER_PRODUCTS", "JAXSPEC_STAGE_INPUTS", "JAXSPEC_PINNED_INPUTS")
+            "JAXSPEC_QKV_KERNEL", "JAXSPEC_STAGE_INPUTS", "JAXSPEC_PINNED_INPUTS")
 # jaxlib's own environment that changes how a program is run and timed (1: PJRT's TFRT GPU client instead of the
 # stream-executor one, other transfer and launch paths); benchmark results record them beside SWITCHES
 CLIENT_ENV = ("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT",)
-
-
-LAYER_PRODUCT_SITES = ("qkv", "o", "mlp", "down", "ple")  # `jaxspec.pallas.layer_products.SITES`
-
-
-def layer_product_sites() -> frozenset:
-    """The products JAXSPEC_LAYER_PRODUCTS=1 runs through `layer_products.stream_product`:
-    `$JAXSPEC_LAYER_PRODUCT_SITES` (comma-separated names of LAYER_PRODUCT_SITES), all of them when unset."""
-    value = os.environ.get("JAXSPEC_LAYER_PRODUCT_SITES")
-    if value is None:
-        return frozenset(LAYER_PRODUCT_SITES)
-    names = [n.strip() for n in value.split(",") if n.strip()]
-    unknown = [n for n in names if n not in LAYER_PRODUCT_SITES]
-    if unknown or not names:
-        raise ConfigError(f"JAXSPEC_LAYER_PRODUCT_SITES must name some of {', '.join(LAYER_PRODUCT_SITES)}, "
-                          f"got {value!r}")
-    return frozenset(names)
 
 
 def env_switch(name: str) -> bool | None:

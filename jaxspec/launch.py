@@ -134,12 +134,11 @@ def check_args(args) -> None:
 
 
 def check_engine_args(args) -> None:
-    from jaxspec.config import SWITCHES, ConfigError, compile_threads_env, env_switch, layer_product_sites
+    from jaxspec.config import SWITCHES, ConfigError, compile_threads_env, env_switch
 
     compile_threads_env()
     for name in SWITCHES:
         env_switch(name)
-    layer_product_sites()
     speculating = args.draft_mode != "off" and bool(args.assistant or args.model in (DEMO, DEFAULT))
     for name, value, lo in (("-k/--num-speculative-tokens", args.num_speculative_tokens, 1 if speculating else 0),
                             ("--page-size", args.page_size, 1), ("--prefill-chunk", args.prefill_chunk, 1),

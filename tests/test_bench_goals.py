@@ -182,6 +182,11 @@ def test_goals_skip_runs_with_a_switch_set_otherwise_than_shipped(tmp_path):
                      [{"ctx": 4096, "bs": 1, "bucketed_us": 230.0}], preset="E4B",
                      client_env={"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "0"})
     assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == client0
+    # a switch removed with its code (RETIRED_SWITCHES): older files that record it off measured what shipped
+    retired = propose("f3.json", "2026-12-02T14:30:00+00:00", 220.0, {"JAXSPEC_LAYER_PRODUCTS": "0"})
+    assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == retired
+    propose("f4.json", "2026-12-02T14:40:00+00:00", 40.0, {"JAXSPEC_LAYER_PRODUCTS": "1"})
+    assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == retired
 
     def plain(name, date, tok_s, rounds, unroll):
         return result(d, name, "e2e", date, [{"bs": 1, "mode": "off", "rounds_per_call": rounds,

@@ -263,20 +263,6 @@ def test_bad_switch_is_one_line_before_anything_loads(name, monkeypatch, capsys,
     assert err == f"error: {name} must be 0 or 1, got 'yes'" and not out.exists()
 
 
-@pytest.mark.parametrize("value", ["mlp,gate", ""])
-def test_bad_layer_product_sites_is_one_line_before_anything_loads(value, monkeypatch, capsys, tmp_path):
-    """$JAXSPEC_LAYER_PRODUCT_SITES names sites of the layer products kernel; an unknown one (or none) is one line,
-    exit 2, no output file."""
-    from jaxspec.generate import main
-
-    monkeypatch.setenv("JAXSPEC_LAYER_PRODUCT_SITES", value)
-    out = tmp_path / "out.jsonl"
-    assert main(["--model", golden_path("e2b", "target"), "--prompt", "x", "--output", str(out)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: JAXSPEC_LAYER_PRODUCT_SITES must name some of qkv, o, mlp, "
-                                               "down, ple") and not out.exists(), err
-
-
 def test_engine_validate_names_the_request():
     """The engine API's own check (the server's requests do not pass the CLI's flag checks)."""
     from jaxspec.config import ConfigError

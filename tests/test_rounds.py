@@ -407,36 +407,6 @@ def test_qkv_kernel_runs_by_default_in_one_position_steps_only(oracle, monkeypat
     assert set(rows) == {("qkv_cache", 4), ("q_rope", 4)}, rows  # bucket 4 x 1 position; never an 8-position chunk
 
 
-def test_layer_products_engine_equals_transformers_greedy(oracle, monkeypatch):
-    """JAXSPEC_LAYER_PRODUCTS=1 (off by default): a layer's products with the norms before them and the activations
-    after them (`layer_products.stream_product`), interpreted here, in verify steps and the drafter's jnp step (bucket
-    4: 4 rows); at R 2 with overlap the engine gives transformers' greedy continuations, with every site run (the
-    q/k/v product taking the previous layer's end, o, gate/up with the activation, down, the PLE gate), with
-    JAXSPEC_QKV_KERNEL=1 (every step) and JAXSPEC_FUSED_NORMS=1 (the q/k/v product feeding `qkv_cache` / `q_rope`,
-    the last layer's end through the norms kernel). (A subset of sites runs the default path's own lines around the
-    others: run once with all but q/k/v, session 25, the same tokens; with the other two switches at 0, a case of
-    its own until session 33, the same tokens: dropped from the suite, the switch being off and 2.8x slower, session
-    26. The kernel against its reference: tests/test_layer_products.py.)"""
-    from jaxspec.pallas import layer_products
-
-    monkeypatch.setenv("JAXSPEC_LAYER_PRODUCTS", "1")
-    monkeypatch.delenv("JAXSPEC_LAYER_PRODUCT_SITES", raising=False)
-    for name in ("JAXSPEC_QKV_KERNEL", "JAXSPEC_FUSED_NORMS"):
-        monkeypatch.setenv(name, "1")
-    ran = set()
-
-    def spy(kernel, *a, real=layer_products.pallas_call, **kw):
-        k = kernel.keywords
-        ran.add(k["epilogue"] or ("residual" if k["residual"] else "normed" if k["normed"] else "plain"))
-        return real(kernel, *a, **kw)
-
-    monkeypatch.setattr(layer_products, "pallas_call", spy)
-    got, want = kernels_greedy(oracle)
-    assert got == want
-    # q/k/v after the first layer ("residual"), the first layer's ("normed"), o and down ("plain"), gate/up, PLE gate
-    assert ran == {"residual", "normed", "plain", "gelu_pair", "gelu_mul"}, ran
-
-
 @pytest.mark.parametrize("rounds", [1, 2])
 def test_pinned_output_engine_equals_transformers_greedy(oracle, monkeypatch, rounds):
     """JAXSPEC_PIN_OUTPUT=1 (off by default): the decode call's output is made at the program's start, behind an

@@ -14,14 +14,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxspec.config import SLIDING, ConfigError, TargetConfig, env_switch, layer_product_sites
+from jaxspec.config import SLIDING, ConfigError, TargetConfig, env_switch
 from jaxspec.model.attention import attention
 from jaxspec.model.layers import (acc_dtype, apply_rope, gelu_tanh, joint_heads, linear, mlp_activation, moe,
                                   rms_norm, rope_tables, softcap, split_linear, split_weight, sqrt_scale)
 from jaxspec.paged_kv.cache import LayerKV, paged_attend
 from jaxspec.paged_kv.metadata import StepMetadata
-from jaxspec.pallas import gemv, layer_products, row_norms
-from jaxspec.pallas.layer_products import Residual, stream_product
+from jaxspec.pallas import gemv, row_norms
 from jaxspec.pallas.row_norms import Vec, add_norm_ref
 
 # attend(cache, layer, q [B,T,NH,d], k [B,T,KVH,d] | None, v | None) -> (out [B,T,NH,d], cache)
@@ -71,14 +70,10 @@ def layer_weights(params, cfg: TargetConfig, i: int) -> LayerWeights:
 class LayerOps:
     """What kernels may take over between a layer's weights and its values: the residual stream's norms between the
     products (`row_norms.add_norm_ref` or its kernel) and the small products, q/k/v, o and the per-layer-input pair
-    (`gemv.gemv_ref`, i.e. `linear`, or its kernel); the MLP's large products stay XLA's. `layer_ops` picks them.
-    sites: the products that carry the norms before them and the activations after them in one kernel
-    (`layer_products.stream_product`, JAXSPEC_LAYER_PRODUCTS=1), where `decoder_layers` finds the step's rows and the
-    model in its shapes (`layer_product_sites`)."""
+    (`gemv.gemv_ref`, i.e. `linear`, or its kernel); the MLP's large products stay XLA's. `layer_ops` picks them."""
 
     add_norm: Callable = add_norm_ref
     product: Callable = gemv.gemv_ref
-    sites: frozenset = frozenset()
 
 
 REFERENCE_OPS = LayerOps()
@@ -201,85 +196,39 @@ def joint_qkv(w, cfg: TargetConfig, i: int, out, positions):
 
 def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, ple_i, attend: Attend, cache, *,
                   next_norm: Vec, ops: LayerOps = REFERENCE_OPS):
-    """One decoder layer. x: [B, T, H] the residual stream, h its input norm (`norms[0]`); ple_i: [B, T, P] or None
-    (with the "ple" site: a Vec of the [L, B, T, P] stack). Returns (x, h_next = rms_norm(x, next_norm): the next
-    layer's input or the final norm, cache). ops: the reference's or the kernels' norms and small products
-    (`LayerOps`). With the "qkv" site h is None: this layer's q/k/v product takes its input norm, and x may be the
-    previous layer's end still to compute (a `Residual`); the layer then returns its own end that way, (Residual, None,
-    cache), for the next layer's product or `decoder_layers`' final norm."""
-    eps, add_norm, product, sites = cfg.rms_norm_eps, ops.add_norm, ops.product, ops.sites
+    """One decoder layer. x: [B, T, H] the residual stream, h its input norm (`norms[0]`); ple_i: [B, T, P] or None.
+    Returns (x, h_next = rms_norm(x, next_norm): the next layer's input or the final norm, cache). ops: the
+    reference's or the kernels' norms and small products (`LayerOps`)."""
+    eps, add_norm, product = cfg.rms_norm_eps, ops.add_norm, ops.product
     B, T = positions.shape
-    if h is None:  # "qkv": the input norm (and the previous layer's end) in the prologue of the q/k/v product
-        proj, x_new = stream_product(x, w.vec("norms", 0), w.vec("qkv_proj" if "qkv_proj" in w else "q_proj"),
-                                     eps=eps)
-        x = x if x_new is None else x_new
-        product_in = lambda _h, _w: proj  # noqa: E731  (the layer's one q/k/v product, taken above)
-    else:
-        product_in = product
     into_cache = getattr(attend, "qkv_into_cache", None)  # `cache.qkv_kernel_on`: norms, RoPE, K/V write in one kernel
     if into_cache is not None and "qkv_proj" in w:
-        q, cache = into_cache(cache, i, product_in(h, w.vec("qkv_proj")), w.vec("q_norm"), w.vec("k_norm"),
-                              positions)
+        q, cache = into_cache(cache, i, product(h, w.vec("qkv_proj")), w.vec("q_norm"), w.vec("k_norm"), positions)
         k = v = None  # written
     elif into_cache is not None and "q_proj" in w and "k_proj" not in w:  # a KV-shared layer: q's norm and RoPE
-        q, k, v = attend.q_rope(i, product_in(h, w.vec("q_proj")), w.vec("q_norm"), positions), None, None
+        q, k, v = attend.q_rope(i, product(h, w.vec("q_proj")), w.vec("q_norm"), positions), None, None
     else:
-        q, k, v = qkv(w, cfg, i, h, positions, product_in)
+        q, k, v = qkv(w, cfg, i, h, positions, product)
     a, cache = attend(cache, i, q, k, v)
     a = a.reshape(B, T, -1)
-    if "o" in sites:
-        o, _ = stream_product(a, None, w.vec("o_proj"), eps=eps)
-    else:
-        # stored in pieces: the partials summed by the residual norm that takes them (`Partials`)
-        o = (split_linear(a, w["o_proj_split"], partials="mlp" not in sites) if "o_proj_split" in w
-             else product(a, w.vec("o_proj")))
-    if "mlp" in sites:  # the post-attention residual, the MLP's input norm and its activation around gate/up
-        act, x = stream_product(Residual(x, o, w.vec("norms", 1)), w.vec("norms", 2), w.vec("gate_up"), eps=eps,
-                                epilogue="gelu_pair")
-    else:
-        x, h = add_norm(o, x, w.vec("norms", 1), w.vec("norms", 2), None, eps)
-        act = mlp_activation(h, w["gate_up"])
+    # stored in pieces: the partials summed by the residual norm that takes them (`Partials`)
+    o = split_linear(a, w["o_proj_split"], partials=True) if "o_proj_split" in w else product(a, w.vec("o_proj"))
+    x, h = add_norm(o, x, w.vec("norms", 1), w.vec("norms", 2), None, eps)
+    act = mlp_activation(h, w["gate_up"])
     residual = x
-    if "down" in sites:
-        m, _ = stream_product(act, None, w.vec("down"), eps=eps)
-    else:
-        to_norm = not cfg.enable_moe_block and ("qkv" not in sites if ple_i is None else "ple" not in sites)
-        m = split_linear(act, w["down_split"], partials=to_norm) if "down_split" in w else linear(act, w["down"])
+    m = (split_linear(act, w["down_split"], partials=not cfg.enable_moe_block) if "down_split" in w
+         else linear(act, w["down"]))
     if cfg.enable_moe_block:
         experts = moe(h, residual, w, top_k=cfg.top_k_experts, eps=eps)
         m = rms_norm(m, w["moe_norms"][1], eps) + rms_norm(experts, w["moe_norms"][2], eps)
     if ple_i is None:
-        if "qkv" in sites:
-            return Residual(residual, m, w.vec("norms", 3), w.vec("layer_scalar")), None, cache
         x, h = add_norm(m, residual, w.vec("norms", 3), next_norm, w.vec("layer_scalar"), eps)
         return x, h, cache
-    if "ple" in sites:  # the post-MLP residual and the gate's activation times this layer's input around the gate
-        g, x = stream_product(Residual(residual, m, w.vec("norms", 3)), None, w.vec("ple_gate"), eps=eps,
-                              epilogue="gelu_mul", mul=ple_i)
-    else:
-        x, _ = add_norm(m, residual, w.vec("norms", 3), None, None, eps)
-        g = gelu_tanh(product(x, w.vec("ple_gate"))) * ple_i
+    x, _ = add_norm(m, residual, w.vec("norms", 3), None, None, eps)
+    g = gelu_tanh(product(x, w.vec("ple_gate"))) * ple_i
     p = product(g, w.vec("ple_proj"))
-    if "qkv" in sites:
-        return Residual(x, p, w.vec("ple_norm"), w.vec("layer_scalar")), None, cache
     x, h = add_norm(p, x, w.vec("ple_norm"), next_norm, w.vec("layer_scalar"), eps)
     return x, h, cache
-
-
-def layer_product_sites_for(params, cfg: TargetConfig, x, ops: LayerOps) -> frozenset:
-    """The sites of ops that this step runs through `stream_product`: none for rows the kernel does not take (prefill
-    chunks, fp64), a MoE model (its router reads the MLP's normed input), or weights stored in pieces (o and down)
-    or as three q/k/v stacks (the "qkv" site needs one product a layer)."""
-    sites = set(ops.sites)
-    if not sites or cfg.enable_moe_block or not layer_products.rows_supported(x):
-        return frozenset()
-    groups = params["layers"].values()
-    if any("k_proj" in g for g in groups):
-        sites.discard("qkv")
-    for part, site in (("o_proj_split", "o"), ("down_split", "down")):
-        if any(part in g for g in groups):
-            sites.discard(site)
-    return frozenset(sites)
 
 
 def decoder_layers(params, cfg: TargetConfig, x, positions, ple, attend: Attend, cache, final_norm,
@@ -287,16 +236,11 @@ def decoder_layers(params, cfg: TargetConfig, x, positions, ple, attend: Attend,
     """Every decoder layer and the final norm (final_norm: its [H] weight). ple: [B, T, L, P] or None.
     Returns (rms_norm(x_out, final_norm) [B, T, H], cache)."""
     ws = [layer_weights(params, cfg, i) for i in range(cfg.num_layers)]
-    sites = layer_product_sites_for(params, cfg, x, ops)
-    ops = dataclasses.replace(ops, sites=sites)
-    h = None if "qkv" in sites else rms_norm(x, ws[0]["norms"][0], cfg.rms_norm_eps)
-    ple_t = None if ple is None or "ple" not in sites else jnp.moveaxis(ple, 2, 0)  # [L, B, T, P]: one stack
+    h = rms_norm(x, ws[0]["norms"][0], cfg.rms_norm_eps)
     for i, w in enumerate(ws):
         next_norm = ws[i + 1].vec("norms", 0) if i + 1 < len(ws) else Vec(final_norm)
-        ple_i = None if ple is None else ple[:, :, i] if ple_t is None else Vec(ple_t, (i,))
+        ple_i = None if ple is None else ple[:, :, i]
         x, h, cache = decoder_layer(w, cfg, i, x, h, positions, ple_i, attend, cache, next_norm=next_norm, ops=ops)
-    if h is None:  # the last layer's end, still a Residual: with the final norm
-        x, h = ops.add_norm(x.y, x.x, x.w_y, Vec(final_norm), x.scalar, cfg.rms_norm_eps)
     return h, cache
 
 
@@ -378,14 +322,13 @@ def paged_forward(params, cfg: TargetConfig, kv, meta: StepMetadata, tokens, *, 
 
 def layer_ops(use_kernels: bool, mesh=None) -> LayerOps:
     """The kernels a layer runs between its weights and values, with the kernels on one device: the residual stream's
-    norms (`row_norms.add_norm`) unless JAXSPEC_FUSED_NORMS=0, the small products (`gemv.gemv`) with JAXSPEC_GEMV=1,
-    the products with their norms and activations (`layer_products`, the sites of JAXSPEC_LAYER_PRODUCT_SITES) with
-    JAXSPEC_LAYER_PRODUCTS=1; the jnp references otherwise. The norms kernel is on by default: on the H200 it took
+    norms (`row_norms.add_norm`) unless JAXSPEC_FUSED_NORMS=0, the small products (`gemv.gemv`) with JAXSPEC_GEMV=1;
+    the jnp references otherwise. The norms kernel is on by default: on the H200 it took
     E4B's bs-1 decode step from 4.55-4.65 to 4.28-4.34 ms (-6%, XLA splits each norm of a single row into two
-    kernels) and tied on the verify step and the bs-64 propose (BENCHMARKS.md session 29); the products kernels were
-    slower (sessions 17 and 26)."""
+    kernels) and tied on the verify step and the bs-64 propose (BENCHMARKS.md session 29); the small products kernel
+    was slower (session 17), and so was session 26's kernel of a layer's products with their norms (2.8x on the bs-1
+    verify step; removed in session 37, commit a536233 has it)."""
     on = use_kernels and mesh is None
     return LayerOps(
         add_norm=row_norms.add_norm if on and env_switch("JAXSPEC_FUSED_NORMS") is not False else add_norm_ref,
-        product=gemv.gemv if on and env_switch("JAXSPEC_GEMV") is True else gemv.gemv_ref,
-        sites=layer_product_sites() if on and env_switch("JAXSPEC_LAYER_PRODUCTS") is True else frozenset())
+        product=gemv.gemv if on and env_switch("JAXSPEC_GEMV") is True else gemv.gemv_ref)

@@ -134,7 +134,7 @@ def check_args(args) -> None:
 
 
 def check_engine_args(args) -> None:
-    from jaxspec.config import SWITCHES, ConfigError, compile_threads_env, env_switch
+    from jaxspec.config import RETIRED_SWITCHES, SWITCHES, ConfigError, compile_threads_env, env_switch
 
     compile_threads_env()
     for name in SWITCHES:
@@ -151,6 +151,10 @@ def check_engine_args(args) -> None:
         if value is not None and value < lo:
             raise ConfigError(f"{name} must be >= {lo}, got {value}")
     buckets(args.draft_bs)
+    for name in RETIRED_SWITCHES:  # after the checks: a bad flag stays one line
+        if name in os.environ:
+            print(f"note: {name} is no longer read (its kernel was removed in session 37: slower than XLA's "
+                  "products, BENCHMARKS.md); ignored", file=sys.stderr)
 
 
 def buckets(text: str) -> tuple[int, ...]:

@@ -251,6 +251,25 @@ def test_bad_compile_threads_is_one_line_before_anything_loads(value, monkeypatc
     assert err == f"error: JAXSPEC_COMPILE_THREADS must be a whole number >= 1, got {value!r}" and not out.exists()
 
 
+def test_a_retired_switch_is_named_once_and_ignored(monkeypatch, capsys):
+    """A switch whose code was removed (config.RETIRED_SWITCHES) is no error, but a set one is named in a note, so that
+    nobody takes its run for the kernel's; bad flags beside it stay one line."""
+    from jaxspec.config import RETIRED_SWITCHES, ConfigError
+    from jaxspec.generate import parse_args
+    from jaxspec.launch import check_engine_args
+
+    monkeypatch.setenv("JAXSPEC_GEMV", "1")
+    check_engine_args(parse_args([]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "JAXSPEC_GEMV" in RETIRED_SWITCHES and len(err) == 1 and err[0].startswith("note: JAXSPEC_GEMV is no longer")
+    with pytest.raises(ConfigError, match="--page-size"):
+        check_engine_args(parse_args(["--page-size", "0"]))
+    assert capsys.readouterr().err == ""
+    monkeypatch.delenv("JAXSPEC_GEMV")
+    check_engine_args(parse_args([]))
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("name", SWITCHES)
 def test_bad_switch_is_one_line_before_anything_loads(name, monkeypatch, capsys, tmp_path):
     """The on/off environment switches take 0 or 1; anything else is one line, exit 2, no output file."""

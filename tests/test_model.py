@@ -233,58 +233,6 @@ def test_fused_qkv_comparison_has_teeth():
     assert np.max(np.abs(logits - ref["logits"])) > 100 * TOL
 
 
-def test_split_products_equal_transformers(case):
-    """gemma4.split_products (JAXSPEC_SPLIT_PRODUCTS=1, off by default): the o and down stacks stored in pieces of
-    their input and multiplied as one batched product whose pieces are summed by adds (`split_linear`) give
-    transformers' logits, hidden states and stored K/V, for every checkpoint (KV sharing, k_eq_v, MoE, Gemma 3)."""
-    name, cfg, params, ref = case
-    split = gemma4.split_products(gemma4.fuse_qkv(params))
-    groups = split["layers"].values()
-    assert all("o_proj_split" in g and "down_split" in g and "o_proj" not in g and "down" not in g for g in groups)
-    assert any(g["down_split"].shape[1] > 1 and g["o_proj_split"].shape[1] > 1 for g in groups)  # really in pieces
-    logits, hidden, cache = run_dense(cfg, split, ref["prompt_ids"])
-    check_against(name, cache, logits, hidden, ref, "", TOL)
-
-
-@pytest.mark.parametrize("rows", [1, 5, layers.SPLIT_MAX_ROWS, layers.SPLIT_MAX_ROWS + 3])
-def test_split_linear_equals_linear(rows):
-    """split_linear over split_weight's pieces is x @ w.T (fp32, to rounding), for the rows of a decode or verify step
-    (the batched pieces) and of a prefill chunk (one product over both axes); pieces cut from w's rows instead of its
-    input columns do not give it."""
-    kx, kw = jax.random.split(jax.random.PRNGKey(rows))
-    x, w = jax.random.normal(kx, (1, rows, 256)), jax.random.normal(kw, (96, 256))
-    want = np.asarray(layers.linear(x, w))
-    for pieces in (1, 4, 16):
-        got = np.asarray(layers.split_linear(x, layers.split_weight(w, pieces)))
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
-    wrong = np.asarray(layers.split_linear(x, w.reshape(4, 96, 64)))
-    assert np.max(np.abs(wrong - want)) > 1.0
-
-
-def test_split_products_comparison_has_teeth():
-    """The pieces cut from the weight's rows instead of its input columns (a reshape without the move) fail."""
-    cfg, params = load_target(golden_path("e2b", "target"), "fp32")
-    ref = load_reference("e2b")
-    split = gemma4.split_products(params)
-    wrong = {g: dict(w, down_split=params["layers"][g]["down"].reshape(w["down_split"].shape))
-             for g, w in split["layers"].items()}
-    logits, _, _ = run_dense(cfg, dict(split, layers=wrong), ref["prompt_ids"])
-    assert np.max(np.abs(logits - ref["logits"])) > 100 * TOL
-
-
-def test_stored_params_split_once_and_only_on_one_device(monkeypatch):
-    """With JAXSPEC_SPLIT_PRODUCTS=1 the loaders' stored_params splits the o and down stacks once (stored weights come
-    back as they are), and split stacks on several devices are a ConfigError."""
-    cfg, params = load_target(golden_path("e2b", "target"), "fp32")
-    monkeypatch.setenv("JAXSPEC_SPLIT_PRODUCTS", "1")
-    stored = gemma4.stored_params(params)
-    assert gemma4.is_split(stored) and gemma4.is_fused(stored) and not gemma4.is_split(params)
-    again = gemma4.stored_params(stored)
-    assert all(again["layers"][g][n] is a for g, w in stored["layers"].items() for n, a in w.items())
-    with pytest.raises(ConfigError, match="o and down projections"):
-        gemma4.stored_params(gemma4.split_products(params), 2)
-
-
 def run_joint(cfg, params, ids, monkeypatch, switch="1"):
     """run_dense with JAXSPEC_JOINT_QK_NORM set (read when the forward is traced: a fresh jit)."""
     monkeypatch.setenv("JAXSPEC_JOINT_QK_NORM", switch)

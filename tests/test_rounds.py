@@ -334,51 +334,6 @@ def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch, swit
     assert bool(norms) == (switch != "0"), norms  # the norms kernel traced (prefill chunks, verify steps, drafts)
 
 
-def test_layer_kernels_engine_equals_transformers_greedy(oracle, monkeypatch):
-    """The layer paths that are off by default, switched on together (with the kernels, one device):
-    JAXSPEC_FUSED_NORMS=1, the residual stream's norms between a layer's products (after the o projection, before the
-    PLE branch, at the layer's end with the next layer's input norm or the final norm) as one kernel a site
-    (`row_norms.add_norm`); JAXSPEC_GEMV=1, the small products (q/k/v, o, the PLE pair) as one kernel each
-    (`gemv.gemv`); JAXSPEC_JOINT_QK_NORM=1, the fused stack's heads normed and rotated as one array. Kernels
-    interpreted here, in prefill chunks (where they fit), verify steps and drafts; at R 2 with overlap the engine gives
-    transformers' greedy continuations (a norms kernel that drops the layer scalar fails this, so does a gemv reading
-    layer 0's weight in every layer). All unset: test_kernels_gathering_q_equal_transformers_greedy[default]."""
-    from jaxspec.pallas import gemv, row_norms
-
-    for name in ("JAXSPEC_FUSED_NORMS", "JAXSPEC_GEMV", "JAXSPEC_JOINT_QK_NORM"):
-        monkeypatch.setenv(name, "1")
-    norms, products, joint = [], [], []
-    for module, calls in ((row_norms, norms), (gemv, products)):
-        monkeypatch.setattr(module, "pallas_call", lambda *a, real=module.pallas_call, calls=calls, **kw: calls.append(
-            len(kw["out_shape"]) if isinstance(kw["out_shape"], list) else 1) or real(*a, **kw))
-    real_joint = gemma4.joint_qkv
-    monkeypatch.setattr(gemma4, "joint_qkv", lambda *a: joint.append(1) or real_joint(*a))
-    got, want = kernels_greedy(oracle)
-    assert got == want
-    # traced calls: the norms with h (two a layer) and without (before the PLE branch); target's and drafter's steps
-    assert sorted(set(norms)) == [1, 2] and products and joint
-
-
-def test_split_products_engine_equals_transformers_greedy(oracle, monkeypatch):
-    """JAXSPEC_SPLIT_PRODUCTS=1 (off by default): the engine stores the o and down stacks in pieces of their input
-    (`gemma4.split_products`), and with the kernels (interpreted here) at R 2 with overlap its prefill chunks, drafts
-    and verify steps give transformers' greedy continuations. (Pieces cut from the wrong axis fail the model's
-    comparison: tests/test_model.py::test_split_products_comparison_has_teeth.) The residual norms kernel sums the o
-    and down products' partials itself (a kernel that drops the last one fails this)."""
-    from jaxspec.pallas import row_norms
-
-    monkeypatch.setenv("JAXSPEC_SPLIT_PRODUCTS", "1")
-    calls, sums = [], []
-    real = gemma4.split_linear
-    monkeypatch.setattr(gemma4, "split_linear", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
-    monkeypatch.setattr(row_norms, "partial_sum", lambda ref, c, S, real=row_norms.partial_sum: sums.append(S) or real(
-        ref, c, S))
-    got, want = kernels_greedy(oracle)
-    assert got == want
-    assert calls and min(shape[0] for shape in calls) > 1  # traced through the pieces, o's and down's
-    assert sums and min(sums) > 1  # their partials summed in the norms kernel
-
-
 def test_qkv_kernel_engine_equals_transformers_greedy(oracle, monkeypatch):
     """JAXSPEC_QKV_KERNEL=1 (by default one-position steps only): a non-shared layer's q/k/v norms, RoPE and K/V
     write as one kernel (`qkv_cache.qkv_cache`), a KV-shared layer's q norm and RoPE as one (`q_rope`), interpreted

@@ -16,7 +16,6 @@ import pytest
 
 from conftest import check_outputs
 from jaxspec.pallas import row_norms
-from jaxspec.model.layers import Partials
 from jaxspec.pallas.row_norms import Vec, add_norm, add_norm_ref
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -104,51 +103,6 @@ def test_add_norm_comparison_has_teeth(broken, monkeypatch):
         check(got, jax.jit(lambda y, x: add_norm_ref(y, x, *args, EPS))(y, x), jnp.bfloat16)
 
 
-def partials(dtype, S, rows, H, seed=0):
-    """A product's fp32 partials over S pieces of its input ([S, 1, rows, H], `split_linear(..., partials=True)`),
-    and the other operands of `operands`."""
-    _, x, norms, final, scalars = operands(dtype, rows, H, seed)
-    parts = jax.random.normal(jax.random.PRNGKey(seed + 7), (S, 1, rows, H), jnp.float32) * 8
-    return Partials(parts, dtype), x, norms, final, scalars
-
-
-def run_partials(y, x, args):
-    """The kernel and the reference on y's partials (jit arguments: the parts array, x). The reference is compiled
-    without XLA's excess precision, so that it rounds the partials' total to the dtype once, as it is written (and as
-    the kernel does): by default the GPU compiler keeps the fp32 total and skips that rounding, and in bf16 the two
-    then differ by an ulp of the normed values, 9 cases of 9 on the H100 (session 33's GPU lane)."""
-    got = jax.jit(lambda p, x: add_norm(Partials(p, y.dtype), x, *args, EPS))(y.parts, x)
-    ref = jax.jit(lambda p, x: add_norm_ref(Partials(p, y.dtype), x, *args, EPS)).lower(y.parts, x)
-    want = ref.compile({"xla_allow_excess_precision": False})(y.parts, x)
-    return got, want
-
-
-@pytest.mark.parametrize("site", ["post_attention", "layer_end", "before_ple"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("S,rows,H", [(16, 1, 2560), (8, 4, 2560), (2, 5, 640)], ids=["16x1x2560", "8x4x2560",
-                                                                                     "2x5x640"])
-def test_add_norm_sums_a_products_partials(site, dtype, S, rows, H):
-    """A product stored in pieces (JAXSPEC_SPLIT_PRODUCTS=1: E4B's down in 16, its o in 8) hands the norms kernel
-    its fp32 partials; the kernel sums them in its prologue as the reference sums them (in order, rounded once),
-    instead of a reduction kernel of their own."""
-    y, x, norms, final, scalars = partials(dtype, S, rows, H)
-    assert row_norms.supported(y, x)
-    check(*run_partials(y, x, SITES[site](norms, final, scalars)), dtype)
-
-
-def test_add_norm_partials_comparison_has_teeth(monkeypatch):
-    """A kernel that drops the last partial fails the comparison above; more than MAX_PARTIALS partials, or partials
-    not in fp32, run the reference."""
-    y, x, norms, final, scalars = partials(jnp.bfloat16, 8, 4, 640)
-    args = SITES["layer_end"](norms, final, scalars)
-    monkeypatch.setattr(row_norms, "partial_sum", lambda ref, c, S, real=row_norms.partial_sum: real(ref, c, S - 1))
-    with pytest.raises(AssertionError):
-        check(*run_partials(y, x, args), jnp.bfloat16)
-    many = Partials(jnp.zeros((row_norms.MAX_PARTIALS + 1, 1, 4, 640)), jnp.bfloat16)
-    assert row_norms.supported(y, x) and not row_norms.supported(many, x)
-    assert not row_norms.supported(Partials(y.parts.astype(jnp.bfloat16), jnp.bfloat16), x)
-
-
 @pytest.mark.skipif(not CPU, reason="on GPU the tests above compile the real kernel")
 def test_add_norm_lowers_to_one_triton_call(monkeypatch):
     """E4B's shapes (bf16, 2560 wide, 4 and 128 rows, stacked weights read in place) lower to one Triton kernel and
@@ -166,10 +120,3 @@ def test_add_norm_lowers_to_one_triton_call(monkeypatch):
             lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1
         assert "stablehlo.slice" not in text and "dynamic_slice" not in text
-    text = jax.jit(lambda p, x, n: add_norm(Partials(p, jnp.bfloat16), x, Vec(n, (3, 1)), Vec(n, (3, 2)), None, EPS,
-                                            interpret=False)).trace(
-        spec((16, 1, 1, 2560), jnp.float32), spec((1, 1, 2560), jnp.bfloat16), spec((21, 4, 2560), jnp.float32)).lower(
-        lowering_platforms=("cuda",)).as_text()
-    # a product's 16 partials summed in the kernel: no reduction or add of them beside it
-    beside = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" not in line]
-    assert text.count("__gpu$xla.gpu.triton") == 1 and not any("add" in l or "reduce" in l for l in beside)

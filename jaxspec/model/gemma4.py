@@ -17,10 +17,10 @@ import jax.numpy as jnp
 from jaxspec.config import SLIDING, ConfigError, TargetConfig, env_switch
 from jaxspec.model.attention import attention
 from jaxspec.model.layers import (acc_dtype, apply_rope, gelu_tanh, joint_heads, linear, mlp_activation, moe,
-                                  rms_norm, rope_tables, softcap, split_linear, split_weight, sqrt_scale)
+                                  rms_norm, rope_tables, softcap, sqrt_scale)
 from jaxspec.paged_kv.cache import LayerKV, paged_attend
 from jaxspec.paged_kv.metadata import StepMetadata
-from jaxspec.pallas import gemv, row_norms
+from jaxspec.pallas import row_norms
 from jaxspec.pallas.row_norms import Vec, add_norm_ref
 
 # attend(cache, layer, q [B,T,NH,d], k [B,T,KVH,d] | None, v | None) -> (out [B,T,NH,d], cache)
@@ -66,14 +66,17 @@ def layer_weights(params, cfg: TargetConfig, i: int) -> LayerWeights:
     return LayerWeights(params["layers"][group], j)
 
 
+def vec_linear(x, w: Vec):
+    """x [..., K] @ w.T for w = w.stack[w.index] [N, K], one matrix of a stack (`linear`)."""
+    return linear(x, w.get())
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerOps:
     """What kernels may take over between a layer's weights and its values: the residual stream's norms between the
-    products (`row_norms.add_norm_ref` or its kernel) and the small products, q/k/v, o and the per-layer-input pair
-    (`gemv.gemv_ref`, i.e. `linear`, or its kernel); the MLP's large products stay XLA's. `layer_ops` picks them."""
+    products (`row_norms.add_norm_ref` or its kernel); the products stay XLA's. `layer_ops` picks them."""
 
     add_norm: Callable = add_norm_ref
-    product: Callable = gemv.gemv_ref
 
 
 REFERENCE_OPS = LayerOps()
@@ -100,74 +103,39 @@ def fuse_qkv(params) -> dict:
     return {**params, "layers": groups}
 
 
-SPLIT_PIECES = {"o_proj": 8, "down": 16}  # XLA's own split-K of E4B's o (4-8) and down (16) products at 1-4 rows
-
-
-def split_products(params) -> dict:
-    """params with each layer group's o and down stacks [L, H, K] stored in pieces of their input, `o_proj_split` and
-    `down_split` [L, S, H, K/S] (S = SPLIT_PIECES, or the largest power of two below it dividing K), which
-    `decoder_layer` multiplies with `split_linear`: the residual norms kernel that follows sums the pieces' fp32
-    partials in its prologue (`layers.Partials`), where XLA's own split-K product sums them in a kernel of its own
-    (84 launches an E4B verify step, BENCHMARKS.md session 16; XLA does not fuse the sum into its norm fusions, session
-    19). Off by default (JAXSPEC_SPLIT_PRODUCTS=1, one device): compiled for the H200, E4B's bs-1 decode step 658 ->
-    609 launches, yet on the H100 that step ran 3% slower with it (4.77 -> 4.93 ms) and the verify step 1% slower
-    (session 33, `bash bench/h200.sh s32`)."""
-    groups = {}
-    for name, group in params["layers"].items():
-        group = dict(group)
-        for part, pieces in SPLIT_PIECES.items():
-            if part in group:
-                K = group[part].shape[-1]
-                while K % pieces:
-                    pieces //= 2
-                group[f"{part}_split"] = split_weight(group.pop(part), pieces)
-        groups[name] = group
-    return {**params, "layers": groups}
-
-
-def is_split(params) -> bool:
-    return any(f"{part}_split" in group for group in params["layers"].values() for part in SPLIT_PIECES)
-
-
 def is_fused(params) -> bool:
     return any("qkv_proj" in group for group in params["layers"].values())
 
 
 def stored_params(params, tensor_parallel_size: int = 1) -> dict:
     """The target's weights as the engine stores them: on one device one q/k/v stack per layer group (`fuse_qkv`,
-    unless JAXSPEC_FUSE_QKV=0) and, with JAXSPEC_SPLIT_PRODUCTS=1, the o and down stacks in pieces (`split_products`);
-    split over devices the stacks as loaded (the shardings name them). Loaders call it, so that the caller's copy is
+    unless JAXSPEC_FUSE_QKV=0); split over devices the stacks as loaded (the shardings name them). Loaders call it, so that the caller's copy is
     the engine's and the loaded stacks are not held beside it; the engine calls it again (a no-op on stored weights).
-    ConfigError for fused or split weights on several devices."""
+    ConfigError for fused weights on several devices."""
     if tensor_parallel_size > 1:
         if is_fused(params):
             raise ConfigError("tensor parallelism splits q, k and v by head: it takes the three projection stacks, "
                               "not fused ones (load the weights with JAXSPEC_FUSE_QKV=0)")
-        if is_split(params):
-            raise ConfigError("tensor parallelism splits the o and down projections by their input: it takes their "
-                              "stacks as loaded (load the weights without JAXSPEC_SPLIT_PRODUCTS)")
         return params
     if env_switch("JAXSPEC_FUSE_QKV") is not False:
         params = fuse_qkv(params)
-    if env_switch("JAXSPEC_SPLIT_PRODUCTS") is True and not is_split(params):
-        params = split_products(params)
     return params
 
 
-def qkv(w, cfg: TargetConfig, i: int, h, positions, product=gemv.gemv_ref):
+def qkv(w, cfg: TargetConfig, i: int, h, positions):
     """Projected, normed and rotated q [B,T,NH,d] and, for a non-shared layer, k, v [B,T,KVH,d] (else None)."""
     B, T = positions.shape
     eps, d = cfg.rms_norm_eps, cfg.layer_head_dim(i)
     rope = cfg.rope(cfg.layer_types[i])
     if "qkv_proj" in w:  # fuse_qkv's stack: one product; q's rows first, then K's and V's (equal) or K's alone
-        out = product(h, w.vec("qkv_proj"))
+        out = vec_linear(h, w.vec("qkv_proj"))
         if env_switch("JAXSPEC_JOINT_QK_NORM") is not False:
             return joint_qkv(w, cfg, i, out, positions)
         q, kv = out[..., : cfg.num_heads * d], out[..., cfg.num_heads * d:]
         proj = {"q_proj": q, **(dict(zip(("k_proj", "v_proj"), jnp.split(kv, 2, axis=-1))) if cfg.has_v_proj(i)
                                 else {"k_proj": kv})}
     else:
-        proj = {name: product(h, w.vec(name)) for name in QKV_PARTS if name in w}
+        proj = {name: vec_linear(h, w.vec(name)) for name in QKV_PARTS if name in w}
     q = proj["q_proj"].reshape(B, T, cfg.num_heads, d)
     q = apply_rope(rms_norm(q, w["q_norm"], eps), positions, rope)
     if "k_proj" not in proj:
@@ -198,26 +166,24 @@ def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, p
                   next_norm: Vec, ops: LayerOps = REFERENCE_OPS):
     """One decoder layer. x: [B, T, H] the residual stream, h its input norm (`norms[0]`); ple_i: [B, T, P] or None.
     Returns (x, h_next = rms_norm(x, next_norm): the next layer's input or the final norm, cache). ops: the
-    reference's or the kernels' norms and small products (`LayerOps`)."""
-    eps, add_norm, product = cfg.rms_norm_eps, ops.add_norm, ops.product
+    reference's or the kernel's norms (`LayerOps`)."""
+    eps, add_norm = cfg.rms_norm_eps, ops.add_norm
     B, T = positions.shape
     into_cache = getattr(attend, "qkv_into_cache", None)  # `cache.qkv_kernel_on`: norms, RoPE, K/V write in one kernel
     if into_cache is not None and "qkv_proj" in w:
-        q, cache = into_cache(cache, i, product(h, w.vec("qkv_proj")), w.vec("q_norm"), w.vec("k_norm"), positions)
+        q, cache = into_cache(cache, i, vec_linear(h, w.vec("qkv_proj")), w.vec("q_norm"), w.vec("k_norm"), positions)
         k = v = None  # written
     elif into_cache is not None and "q_proj" in w and "k_proj" not in w:  # a KV-shared layer: q's norm and RoPE
-        q, k, v = attend.q_rope(i, product(h, w.vec("q_proj")), w.vec("q_norm"), positions), None, None
+        q, k, v = attend.q_rope(i, vec_linear(h, w.vec("q_proj")), w.vec("q_norm"), positions), None, None
     else:
-        q, k, v = qkv(w, cfg, i, h, positions, product)
+        q, k, v = qkv(w, cfg, i, h, positions)
     a, cache = attend(cache, i, q, k, v)
     a = a.reshape(B, T, -1)
-    # stored in pieces: the partials summed by the residual norm that takes them (`Partials`)
-    o = split_linear(a, w["o_proj_split"], partials=True) if "o_proj_split" in w else product(a, w.vec("o_proj"))
+    o = vec_linear(a, w.vec("o_proj"))
     x, h = add_norm(o, x, w.vec("norms", 1), w.vec("norms", 2), None, eps)
     act = mlp_activation(h, w["gate_up"])
     residual = x
-    m = (split_linear(act, w["down_split"], partials=not cfg.enable_moe_block) if "down_split" in w
-         else linear(act, w["down"]))
+    m = linear(act, w["down"])
     if cfg.enable_moe_block:
         experts = moe(h, residual, w, top_k=cfg.top_k_experts, eps=eps)
         m = rms_norm(m, w["moe_norms"][1], eps) + rms_norm(experts, w["moe_norms"][2], eps)
@@ -225,8 +191,8 @@ def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, p
         x, h = add_norm(m, residual, w.vec("norms", 3), next_norm, w.vec("layer_scalar"), eps)
         return x, h, cache
     x, _ = add_norm(m, residual, w.vec("norms", 3), None, None, eps)
-    g = gelu_tanh(product(x, w.vec("ple_gate"))) * ple_i
-    p = product(g, w.vec("ple_proj"))
+    g = gelu_tanh(vec_linear(x, w.vec("ple_gate"))) * ple_i
+    p = vec_linear(g, w.vec("ple_proj"))
     x, h = add_norm(p, x, w.vec("ple_norm"), next_norm, w.vec("layer_scalar"), eps)
     return x, h, cache
 
@@ -322,13 +288,11 @@ def paged_forward(params, cfg: TargetConfig, kv, meta: StepMetadata, tokens, *, 
 
 def layer_ops(use_kernels: bool, mesh=None) -> LayerOps:
     """The kernels a layer runs between its weights and values, with the kernels on one device: the residual stream's
-    norms (`row_norms.add_norm`) unless JAXSPEC_FUSED_NORMS=0, the small products (`gemv.gemv`) with JAXSPEC_GEMV=1;
-    the jnp references otherwise. The norms kernel is on by default: on the H200 it took
+    norms (`row_norms.add_norm`) unless JAXSPEC_FUSED_NORMS=0; the jnp reference otherwise. The norms kernel is on by default: on the H200 it took
     E4B's bs-1 decode step from 4.55-4.65 to 4.28-4.34 ms (-6%, XLA splits each norm of a single row into two
-    kernels) and tied on the verify step and the bs-64 propose (BENCHMARKS.md session 29); the small products kernel
-    was slower (session 17), and so was session 26's kernel of a layer's products with their norms (2.8x on the bs-1
-    verify step; removed in session 37, commit a536233 has it)."""
+    kernels) and tied on the verify step and the bs-64 propose (BENCHMARKS.md session 29). Two kernels of the products were
+    slower and are removed (session 37; commit a536233 has them): the small products alone (`gemv`, session 17:
+    E4B's verify step 14-29% slower) and a layer's products with their norms (`layer_products`, session 26: 2.8x)."""
     on = use_kernels and mesh is None
     return LayerOps(
-        add_norm=row_norms.add_norm if on and env_switch("JAXSPEC_FUSED_NORMS") is not False else add_norm_ref,
-        product=gemv.gemv if on and env_switch("JAXSPEC_GEMV") is True else gemv.gemv_ref)
+        add_norm=row_norms.add_norm if on and env_switch("JAXSPEC_FUSED_NORMS") is not False else add_norm_ref)

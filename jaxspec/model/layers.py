@@ -120,55 +120,6 @@ def gated_mlp(x, gate_up, down):
     return linear(mlp_activation(x, gate_up), down)
 
 
-SPLIT_MAX_ROWS = 128  # split_linear's pieces for at most this many rows (decode and verify steps), one product above
-
-
-class Partials:
-    """A product's fp32 partial sums over pieces of its input, parts [S, ..., out] (`split_linear(..., partials=True)`),
-    for a consumer that sums them itself: the residual norms kernel (`row_norms.add_norm`) adds them in its prologue,
-    so the product needs no reduction kernel of its own. `total()` is the product as `split_linear` returns it."""
-
-    def __init__(self, parts, dtype):
-        self.parts, self.dtype = parts, jnp.dtype(dtype)
-
-    @property
-    def shape(self):
-        return self.parts.shape[1:]
-
-    def total(self):
-        return sum_in_order([self.parts[s] for s in range(self.parts.shape[0])]).astype(self.dtype)
-
-
-def sum_in_order(terms):
-    """terms[0] + terms[1] + ... added left to right: the one order in which a product's partials are summed, by
-    `Partials.total` and inside the kernels that take them (`row_norms.partial_sum`), so that both round alike."""
-    total = terms[0]
-    for term in terms[1:]:
-        total = total + term
-    return total
-
-
-def split_linear(x, pieces, *, partials: bool = False):
-    """x @ w.T with w's input columns stored in S pieces, pieces [S, out, in/S] (`split_weight`). Up to SPLIT_MAX_ROWS
-    rows: one batched product (its batch the piece) of fp32 partials, summed by elementwise adds and rounded once to
-    x's dtype, or with partials=True handed on unsummed (`Partials`) to a consumer that sums them. XLA splits such
-    small products over their input itself and sums the pieces in a kernel of its own; written out, the sum can go
-    into the consumer (the residual norm after the o and down products), one kernel fewer a product. More rows
-    (prefill chunks): one product over both the piece and its columns, no partials."""
-    S, _, chunk = pieces.shape
-    if math.prod(x.shape[:-1]) > SPLIT_MAX_ROWS:
-        return jnp.einsum("...si,soi->...o", x.reshape(*x.shape[:-1], S, chunk), pieces)
-    xs = jnp.moveaxis(x.reshape(*x.shape[:-1], S, chunk), -2, 0)  # [S, ..., in/S]
-    parts = Partials(jnp.einsum("s...i,soi->s...o", xs, pieces, preferred_element_type=acc_dtype(x.dtype)), x.dtype)
-    return parts if partials else parts.total()
-
-
-def split_weight(w, pieces: int):
-    """w [..., out, in] as `split_linear` reads it: [..., pieces, out, in / pieces]."""
-    *lead, out, n = w.shape
-    return jnp.moveaxis(w.reshape(*lead, out, pieces, n // pieces), -2, -3)
-
-
 def moe(x, residual, w, *, top_k: int, eps: float):
     """The MoE branch of a Gemma 4 26B-A4B layer (router on the residual stream, experts on its own norm).
 

@@ -13,9 +13,7 @@ the row loaded once in column chunks (every load issued up front) and held in re
 Values are rounded to the stream's dtype where the reference rounds them (the norm's output, the sum, the scaled
 sum), so a row's result never depends on the other rows (batch
 invariant) and differs from the reference's only by the order of a mean's summation. Weights are read from their
-stacks at a static index through the BlockSpecs (`Vec`), never sliced out into copies. A product stored in pieces of
-its input (JAXSPEC_SPLIT_PRODUCTS=1: o and down) hands y on as its fp32 partials (`layers.Partials`), which the
-kernel sums in its prologue, so that the product needs no reduction kernel of its own.
+stacks at a static index through the BlockSpecs (`Vec`), never sliced out into copies.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxspec.model.layers import Partials, rms_norm, sum_in_order
+from jaxspec.model.layers import rms_norm
 from jaxspec.pallas.draft_layer import _interpret, _pow2_divisor
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
@@ -39,7 +37,6 @@ warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated
 pallas_call = pl.pallas_call  # (a module name, so that tests can watch the kernel's calls)
 MAX_ROWS = 128  # more rows (prefill chunks): XLA's fusions, which tile many rows a program
 MAX_CHUNK = 1024  # columns a pass loads at once
-MAX_PARTIALS = 16  # y's fp32 partials (`Partials`) summed in the prologue, at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +52,7 @@ class Vec:
 
 def add_norm_ref(y, x, w_y: Vec, w_h: Vec | None, scalar: Vec | None, eps: float):
     """(x' = (x + rms_norm(y, w_y)) · scalar, h = rms_norm(x', w_h)) rounded as `decoder_layer` rounds them; h is
-    None without w_h, the scaling skipped without scalar. y, x: [..., H] in one dtype; or y a product's fp32 partials
-    (`Partials`), summed first as `Partials.total` sums them."""
-    if isinstance(y, Partials):
-        y = y.total()
+    None without w_h, the scaling skipped without scalar. y, x: [..., H] in one dtype."""
     x = x + rms_norm(y, w_y.get(), eps)
     if scalar is not None:
         x = x * scalar.get().astype(x.dtype)
@@ -71,21 +65,13 @@ def chunk_size(H: int) -> int:
 
 
 def supported(y, x) -> bool:
-    """Whether the kernel takes these rows: bf16 or fp32, at most MAX_ROWS of them, columns in chunks of >= 16; y's
-    fp32 partials (`Partials`) up to MAX_PARTIALS of them."""
+    """Whether the kernel takes these rows: bf16 or fp32, at most MAX_ROWS of them, columns in chunks of >= 16."""
     rows = math.prod(x.shape[:-1])
-    if isinstance(y, Partials) and not (y.parts.dtype == jnp.float32 and y.parts.shape[0] <= MAX_PARTIALS):
-        return False
     return (y.shape == x.shape and y.dtype == x.dtype and x.dtype in (jnp.bfloat16, jnp.float32)
             and 0 < rows <= MAX_ROWS and chunk_size(x.shape[-1]) >= 16)
 
 
-def partial_sum(ref, c, S: int):
-    """Columns c of a row's S fp32 partials (ref [S, H]) summed in their order, as `Partials.total` sums them."""
-    return sum_in_order([ref[s, c] for s in range(S)])
-
-
-def _kernel(*refs, eps: float, chunk: int, has_scalar: bool, has_h: bool, partials: int):
+def _kernel(*refs, eps: float, chunk: int, has_scalar: bool, has_h: bool):
     y_ref, x_ref, wy_ref, *refs = refs
     wh_ref = refs.pop(0) if has_h else None
     s_ref = refs.pop(0) if has_scalar else None
@@ -104,8 +90,7 @@ def _kernel(*refs, eps: float, chunk: int, has_scalar: bool, has_h: bool, partia
     def inv_rms(parts):  # rsqrt(mean + eps) of the row's chunks
         return lax.rsqrt(sum(jnp.sum(p * p) for p in parts) / H + eps)
 
-    ys = [rnd(partial_sum(y_ref, c, partials)) for c in chunks] if partials else load(y_ref)
-    xs, wys = load(x_ref), load(wy_ref)
+    ys, xs, wys = load(y_ref), load(x_ref), load(wy_ref)
     r_y = inv_rms(ys)
     out = [rnd(x + rnd(y * r_y * w)) for y, x, w in zip(ys, xs, wys)]
     if has_scalar:
@@ -142,12 +127,7 @@ def add_norm(y, x, w_y: Vec, w_h: Vec | None, scalar: Vec | None, eps: float, *,
     shape, H = x.shape, x.shape[-1]
     M = math.prod(shape[:-1])
     row = pl.BlockSpec((None, H), lambda r: (r, 0))
-    if isinstance(y, Partials):  # [S, M, H] fp32: a row's S partials in one block
-        S = y.parts.shape[0]
-        y_op, y_spec = y.parts.reshape(S, M, H), pl.BlockSpec((S, None, H), lambda r: (0, r, 0))
-    else:
-        S, y_op, y_spec = 0, y.reshape(M, H), row
-    operands, in_specs = [y_op, x.reshape(M, H), w_y.stack], [y_spec, row, _vec_spec(w_y, H)]
+    operands, in_specs = [y.reshape(M, H), x.reshape(M, H), w_y.stack], [row, row, _vec_spec(w_y, H)]
     if w_h is not None:
         operands.append(w_h.stack)
         in_specs.append(_vec_spec(w_h, H))
@@ -156,7 +136,7 @@ def add_norm(y, x, w_y: Vec, w_h: Vec | None, scalar: Vec | None, eps: float, *,
         in_specs.append(_scalar_spec(scalar))
     out = jax.ShapeDtypeStruct((M, H), x.dtype)
     kernel = functools.partial(_kernel, eps=float(eps), chunk=chunk_size(H), has_scalar=scalar is not None,
-                               has_h=w_h is not None, partials=S)
+                               has_h=w_h is not None)
     outs = pallas_call(
         kernel, grid=(M,), in_specs=in_specs,
         out_specs=[row, row] if w_h is not None else [row],

@@ -362,24 +362,6 @@ def test_qkv_kernel_runs_by_default_in_one_position_steps_only(oracle, monkeypat
     assert set(rows) == {("qkv_cache", 4), ("q_rope", 4)}, rows  # bucket 4 x 1 position; never an 8-position chunk
 
 
-@pytest.mark.parametrize("rounds", [1, 2])
-def test_pinned_output_engine_equals_transformers_greedy(oracle, monkeypatch, rounds):
-    """JAXSPEC_PIN_OUTPUT=1 (off by default): the decode call's output is made at the program's start, behind an
-    optimization barrier, so that no temporary shares its buffer; at R 1 and 2 with overlap the engine still gives
-    transformers' greedy continuations (every committed token and count goes through that output). (Its effect,
-    read off XLA's buffer assignment on the CPU at bs 1: the output's buffer shared with 73 temporaries without it,
-    with none with it; BENCHMARKS.md session 20.)"""
-    cfg, params, acfg, aparams, prompts, outs = oracle
-    for switch in ("0", "1"):
-        monkeypatch.setenv("JAXSPEC_PIN_OUTPUT", switch)
-        eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, buckets=(4,), max_running=4, page_size=4,
-                     max_context=64, prefill_chunk=8, rounds_per_call=rounds, overlap=True)
-        reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
-        eng.generate(reqs)
-        assert [r.output_ids for r in reqs] == [o[:12] for o in outs], f"JAXSPEC_PIN_OUTPUT={switch}"
-        assert eng.runner.programs.pin_output == (switch == "1")
-
-
 def test_staged_inputs_engine_equals_transformers_greedy_and_unstaged_sampling(oracle, monkeypatch):
     """JAXSPEC_STAGE_INPUTS (on by default since session 28; 0 turns it off): the prefill and decode programs read
     their per-call inputs (the prefill batch, slots, page tables) from one copy made at the program's start

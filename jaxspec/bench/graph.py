@@ -36,7 +36,7 @@ from jax.sharding import SingleDeviceSharding
 
 from jaxspec import staging
 from jaxspec.bench.common import DTYPE, PRESET_NAMES, names_from, positive, print_table, sizes
-from jaxspec.config import FULL, AssistantConfig, ConfigError, TargetConfig, bench_pair, env_switch
+from jaxspec.config import FULL, AssistantConfig, ConfigError, TargetConfig, bench_pair
 from jaxspec.paged_kv.cache import LayerKV
 from jaxspec.paged_kv.metadata import CacheSpec, PageTables
 
@@ -231,8 +231,7 @@ def compiled_text(program: str, preset: str, bs: int, ctx: int, k: int, page_siz
     vec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)  # noqa: E731
     if program == "round":
         programs = Programs(cfg=cfg, acfg=acfg, spec=spec, k=k, draft_mode="bucketed", use_kernels=True,
-                            eos=tuple(cfg.eos_token_ids), stage_inputs=staged,
-                            pin_output=env_switch("JAXSPEC_PIN_OUTPUT") is True)
+                            eos=tuple(cfg.eos_token_ids), stage_inputs=staged)
         state = placed(jax.eval_shape(lambda: DecodeState.empty(bs + 1, cfg.hidden_size, DTYPE)), sharding)
         lowered = lower_ahead(programs.decode_rounds(rounds, False), Weights(target=params, assistant=assistant),
                               kv, state, vec(bs), pages, donate_argnames=("kv", "state"),

@@ -90,8 +90,7 @@ class Engine:
         programs = Programs(cfg=cfg, acfg=acfg, spec=self.cache.spec, k=c.k, draft_mode=c.draft_mode,
                             use_kernels=self.use_kernels, eos=eos, fused_draft=c.fused_draft, mesh=self.mesh,
                             unroll_rounds=env_switch("JAXSPEC_UNROLL_ROUNDS") is not False,
-                            invariant_positions=c.batch_invariant, pin_output=env_switch("JAXSPEC_PIN_OUTPUT") is True,
-                            stage_inputs=staging.enabled())
+                            invariant_positions=c.batch_invariant, stage_inputs=staging.enabled())
         weights = Weights(target=params, assistant=aparams if c.draft_mode == "bucketed" else None)
         self.runner = Runner(c, programs, weights, self.cache)
         self.drafter = None

@@ -101,9 +101,6 @@ class Programs:
     # > 0: batch-invariant decode (`EngineConfig.batch_invariant`): every decode / verify step computes this many
     # positions a row (>= k + 1, the rest padding) with the attention split at fixed positions
     invariant_positions: int = 0
-    # the decode call's one fresh output (the committed tokens) made at the program's start, so that its buffer is
-    # live throughout and no temporary shares it (JAXSPEC_PIN_OUTPUT; below)
-    pin_output: bool = False
     # the call's per-call inputs (slots, page tables, a prefill's batch) copied into one buffer of the program's
     # before anything reads them, so that a fresh upload moves one graph node, not every node that reads one
     # (`jaxspec.staging`; JAXSPEC_STAGE_INPUTS)
@@ -178,16 +175,6 @@ class Programs:
             (slot, drafts), pages, words = self._stage((slot, drafts), pages)
             B = slot.shape[0]
             out = jnp.zeros((B, rounds, k + 2), jnp.int32)  # per round: committed tokens, then their count
-            if self.pin_output:
-                # XLA places small temporaries in the buffer of a small output when their lifetimes do not overlap
-                # (on the CPU 73 of this program's at bs 1: norm statistics, gathers); with overlap on, the host
-                # still holds the last call's output, so each call's output lands at another address and XLA
-                # re-records every graph node that touches that buffer before launching (E2B, bs 1, R 1 on the H200:
-                # 154 of the plain call's 819 nodes, ~340 us of host time a call, BENCHMARKS.md session 20). Made
-                # before the barrier and written in place at the end, the output's buffer is live all along: no
-                # temporary can share it. Measured (session 21): the update fell to 92 us a call, yet E2B's plain
-                # decode at R 1 ran 7.6-9.5% slower with it, hence off by default
-                out, kv = jax.lax.optimization_barrier((out, kv))
 
             def body(carry):
                 i, kv, rows, out = carry

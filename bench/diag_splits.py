@@ -1,14 +1,14 @@
-"""Diagnosis (issues #14/#17): how many pieces should a row's keys be cut into, and should the pieces be merged by a
-second kernel or inside the attention kernel (`paged_attention_rows(..., sem=...)`), at the 270M pair's shapes?
+"""Diagnosis (issues #14/#17): how many pieces should a row's keys be cut into (their partials merged by a second
+kernel), at the 270M pair's shapes?
 
 One jitted program applies `paged_attention_rows` L times in a chain (each layer's output is the next one's query, so
 the launches run one after another inside one graph, as in a decode step), for each piece count of --splits (0: the
-default rule, `default_splits`; 1: one kernel, nothing to merge) and each merge of --merged (0: a second kernel, 1:
-in the attention kernel, the count buffer passed from layer to layer as the engine does). Reported: µs a layer per
-(width, live keys, queries), and the largest difference from the one-piece output. Shapes: head_dim 256, one kv
-head, four query heads (Gemma 3 270M and its drafter), one row.
+default rule, `default_splits`; 1: one kernel, nothing to merge). Reported: µs a layer per (width, live keys,
+queries), and the largest difference from the one-piece output. Shapes: head_dim 256, one kv head, four query heads
+(Gemma 3 270M and its drafter), one row. (Until session 37 it also ran the merge inside the attention kernel and the
+pipelined key walk, since removed: commit a536233 has them.)
 
-    python bench/diag_splits.py --splits 1,2,4,8,16,0 --merged 0,1 --json OUT.json
+    python bench/diag_splits.py --splits 1,2,4,8,16,0 --json OUT.json
 """
 
 from __future__ import annotations
@@ -37,16 +37,12 @@ def median_us(run, inputs, iters: int) -> float:
     return float(np.median(times)) * 1e6
 
 
-def chain(layers: int, num_splits, merged: bool = False, block_k: int | None = None, prefetch: bool = False):
+def chain(layers: int, num_splits, block_k: int | None = None):
     @jax.jit
     def run(q_rows, k, v, idx, kv_start, row_lo, row_hi, span):
-        sem = jnp.zeros((KVH * q_rows.shape[2],), jnp.int32) if merged else None  # >= the query blocks counted
         for _ in range(layers):
             q_rows = paged_attention_rows(q_rows, k, v, idx, kv_start, row_lo, row_hi, span, scale=D ** -0.5,
-                                          num_splits=num_splits, sem=sem, block_k=block_k,
-                                          prefetch=prefetch)  # one Triton compile for every layer
-            if merged:
-                q_rows, sem = q_rows
+                                          num_splits=num_splits, block_k=block_k)  # one Triton compile for every layer
         return q_rows
     return run
 
@@ -83,13 +79,6 @@ def counts(text: str) -> list[int]:
     return values
 
 
-def merges(text: str) -> list[int]:
-    values = text.split(",")
-    if not values or any(v not in ("0", "1") for v in values):
-        raise argparse.ArgumentTypeError(f"expected 0 (a merge kernel) and/or 1 (in the attention kernel), got {text!r}")
-    return sorted({int(v) for v in values})
-
-
 def positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
@@ -104,9 +93,6 @@ def main(argv=None):
                    help="width:live pairs")
     p.add_argument("--tq", type=sizes, default="1,5", help="queries per row")
     p.add_argument("--splits", type=counts, default="1,0", help="piece counts, a column each (0: the default rule)")
-    p.add_argument("--merged", type=merges, default="0", help="0: a merge kernel, 1: the merge inside the attention kernel")
-    p.add_argument("--prefetch-splits", type=counts, default="", help="piece counts also run with the key walk pipelined "
-                   "(`paged_attention`'s prefetch), with the merge kernel")
     p.add_argument("--wide-splits", type=counts, default="", help="piece counts also run with 64-key blocks (the default for "
                    "head_dim 256 is 32), with the merge kernel")
     p.add_argument("--json")
@@ -130,10 +116,8 @@ def main(argv=None):
             default = default_splits(1, KVH, padded // block_q, width, 64 if D <= 128 else 32)
             row = {"width": width, "live": live, "tq": tq, "layers": args.layers, "default_splits": default}
             ref = np.asarray(chain(args.layers, 1)(*inputs), np.float32)
-            variants = [(x, dict(merged=bool(m)), "merged" if m else "kernel") for x in args.splits
-                        for m in (args.merged if x != 1 else [0])]
+            variants = [(x, {}, "kernel") for x in args.splits]
             variants += [(x, dict(block_k=64), "bk64_kernel") for x in args.wide_splits]
-            variants += [(x, dict(prefetch=True), "prefetch_kernel") for x in args.prefetch_splits]
             diff = 0.0
             for splits, kw, tag in variants:
                 run = chain(args.layers, splits or None, **kw)

@@ -91,8 +91,9 @@
 # inputs: on). Next: s35-pinned-default and goal-rows and s30-nodes on an H200.
 # session 37 (issue #14): goal-rows on an H200 when one comes; s37-named (decode and verify bs 1 traced with XLA's HLO
 # beside them: every kernel's µs by jax op, where the launch count of a step goes on the device).
-# Session 37 removed four switches that measured slower (JAXSPEC_GEMV, JAXSPEC_SPLIT_PRODUCTS, JAXSPEC_LAYER_PRODUCTS,
-# JAXSPEC_PIN_OUTPUT) with their kernels and diagnoses: the recipes above that use them need commit a536233's tree.
+# Session 37 removed six switches that measured slower (JAXSPEC_ATTN_MERGED, JAXSPEC_ATTN_PREFETCH, JAXSPEC_GEMV,
+# JAXSPEC_SPLIT_PRODUCTS, JAXSPEC_LAYER_PRODUCTS, JAXSPEC_PIN_OUTPUT) with their code and diagnoses: the recipes above
+# that use them need commit a536233's tree.
 # Compile caches between calls and sessions: `CACHE_OUT=1 bash bench/h200.sh PART` returns the part's compile cache as
 # $OUT/jaxcache-part-* (15 MiB each; the device returns 8 files, 64 MiB in all); copy them into .jaxcache/ (ignored)
 # and name ".jaxcache" in the next call's carry: every part unpacks it first (untried on the device as of session 26).

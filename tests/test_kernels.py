@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 
 from jaxspec.pallas.kv_indices import gather_kv_indices, gather_kv_indices_ref
-from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_ref, query_rows,
-                                            sem_size)
+from jaxspec.pallas.paged_attention import paged_attention, paged_attention_blocked, paged_attention_ref, query_rows
 
 # The kernel modules silence this at import, but pytest resets warning filters for each test.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -140,28 +139,14 @@ ATTENTION_CASES = [
 ]
 
 
-def merged_attention(x, batch, *, extra: int = 3, **kw):
-    """`paged_attention` with its splits merged in the kernel (`sem`, a few entries more than the call counts in, as
-    a step's shared buffer has); checks that the call hands the counts back at 0 and returns the output."""
-    B, tq, nh, d = x.q.shape
-    n = sem_size(B, tq, nh, x.k.shape[-2], d, kw.get("block_q")) + extra
-    out, sem = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi,
-                               sem=jnp.zeros((n,), jnp.int32), **kw)
-    np.testing.assert_array_equal(np.asarray(sem), 0)
-    return out
-
-
-def assert_matches_reference(g, tq, d, dtype, window, cached, tuning, *, merged: bool = False, **kw):
+def assert_matches_reference(g, tq, d, dtype, window, cached, tuning, **kw):
     """One case of ATTENTION_CASES (a mixed batch, poisoned pools, blocks of 16 keys) through `paged_attention` with
-    the options kw (or `merged_attention`), against the exact reference on the clean pools."""
+    the options kw, against the exact reference on the clean pools."""
     rng = np.random.default_rng(0)
     batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
     x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
-    if merged:
-        got = merged_attention(x, batch, scale=0.3, block_k=16, **kw, **tuning)
-    else:
-        got = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3,
-                              block_k=16, **kw, **tuning)
+    got = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3,
+                          block_k=16, **kw, **tuning)
     want = paged_attention_ref(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3)
     got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
     assert got.shape == want.shape and np.isfinite(got).all()
@@ -170,49 +155,15 @@ def assert_matches_reference(g, tq, d, dtype, window, cached, tuning, *, merged:
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("gather_q,merged", [(False, False), (True, False), (True, True)],
-                         ids=["q-rows", "q-gathered", "q-gathered-merged"])
+@pytest.mark.parametrize("gather_q", [False, True], ids=["q-rows", "q-gathered"])
 @pytest.mark.parametrize("case", ATTENTION_CASES,
                          ids=[f"g{c[0]}-tq{c[1]}-d{c[2]}-{jnp.dtype(c[3]).name}-{'swa' if c[4] else 'full'}"
                               f"-s{c[6]['num_splits']}{'-bq' if 'block_q' in c[6] else ''}" for c in ATTENTION_CASES])
-def test_paged_attention_matches_reference(case, gather_q, merged):
+def test_paged_attention_matches_reference(case, gather_q):
     """gather_q: the kernels read their query rows from q as it is (two kv heads, so rows of a kv head are not
     contiguous in q) instead of a transposed, padded copy, and write their output rows in that layout (padding rows
-    write nothing: the real rows they repeat must survive). merged: the last piece of each query block to finish
-    merges the splits in the attention kernel (on the GPU the pieces run concurrently and count through an atomic;
-    JAXSPEC_ATTN_MERGED=1, q gathered as the engine reads it); otherwise a second kernel does."""
-    assert_matches_reference(*case, merged=merged, gather_q=gather_q)
-
-
-@pytest.mark.parametrize("case", [0, 1, 4, 5], ids=["g1-tq1-full-s1", "g2-tq4-swa-s3", "g8-tq4-full-s2-bq",
-                                                 "g2-tq4-d256-bf16-swa-s2"])
-def test_prefetch_matches_reference(case):
-    """prefetch (JAXSPEC_ATTN_PREFETCH): the key walk pipelined by hand (block j + 1's rows gathered and block
-    j + 2's slots read while block j is computed), over pieces of up to four 16-key blocks (one piece: the whole
-    walk in one program), on the poisoned pools: the blocks read past a piece's end are never used."""
-    assert_matches_reference(*ATTENTION_CASES[case], gather_q=True, prefetch=True)
-
-
-def test_merged_count_has_teeth():
-    """A query block whose count does not start at 0 (here at S, the pieces' number) is never merged, no piece counting
-    last, and the comparison above catches it: the in-kernel merge is what writes the output. Both blocks of the
-    2-row-block case are checked, after the same case merged correctly in the row layout (q not gathered)."""
-    g, tq, d, dtype, window, cached, tuning = ATTENTION_CASES[4]
-    rng = np.random.default_rng(0)
-    batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=False)
-    x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
-    want = np.asarray(paged_attention_ref(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3))
-    # the merge writing the row layout (q not gathered) is right too, and the counts come back 0
-    got = merged_attention(x, batch, scale=0.3, block_k=16, gather_q=False, **tuning)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-    n, S = sem_size(*x.q.shape[:3], 2, d, tuning["block_q"]), tuning["num_splits"]
-    for block in (0, 1):  # row 0, kv head 0, query block `block`
-        out, sem = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3,
-                                   block_k=16, gather_q=True, sem=jnp.zeros((n,), jnp.int32).at[block].set(S),
-                                   **tuning)
-        assert np.asarray(sem)[block] == 2 * S and not np.asarray(sem)[np.arange(n) != block].any()
-        with pytest.raises(AssertionError):
-            np.testing.assert_allclose(np.asarray(out), want, rtol=1e-3, atol=1e-3)
+    write nothing: the real rows they repeat must survive)."""
+    assert_matches_reference(*case, gather_q=gather_q)
 
 
 @pytest.mark.parametrize("case", [1, 3], ids=["g2-tq4-swa-s3", "g4-tq4-full-s2"])
@@ -362,12 +313,6 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
         padded = query_rows(tq, g, d)[1] > tq * g
         copies = ("stablehlo.transpose" in text, "stablehlo.slice" in text)
         assert copies == ((False, False) if gather_q else (True, padded)), (B, tq, kvh, g, d, gather_q)
-    # the pipelined key walk and the in-kernel merge lower too (one kernel: nothing left to merge after it)
-    text = lower(lambda *a: paged_attention(*a[:-1], interpret=False, gather_q=True, prefetch=True, sem=a[-1]),
-                 spec((8, 1, 8, 256), jnp.bfloat16), spec((4096, 2, 256), jnp.bfloat16),
-                 spec((4096, 2, 256), jnp.bfloat16), spec((8, 1056), jnp.int32), spec((8,), jnp.int32),
-                 spec((8, 1), jnp.int32), spec((8, 1), jnp.int32), spec((16,), jnp.int32))
-    assert text.count("__gpu$xla.gpu.triton") == 1
     for swa in (None, spec((4096,), jnp.int32)):
         text = lower(
             lambda t, s, e, m: gather_kv_indices(t, s, e, m, width=131072, page_size=16, interpret=False),

@@ -295,24 +295,19 @@ def test_small_buckets_draft_through_the_fused_kernels(oracle, monkeypatch):
     assert not qkv_rows, qkv_rows
 
 
-@pytest.mark.parametrize("switch", [None, "0", "merged"], ids=["default", "off", "merged"])
+@pytest.mark.parametrize("switch", [None, "0"], ids=["default", "off"])
 def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch, switch):
     """JAXSPEC_ATTN_GATHER_Q (default on): the attention kernels read their query rows from q as it is and write
     their output rows in that layout, no transposed and padded copy before each call and no un-padding slice after;
     0 brings back the row layout. JAXSPEC_FUSED_NORMS (default on): the residual stream's norms as one kernel a site
     (`row_norms.add_norm`); 0 brings back the jnp norms. With the kernels (interpreted on the CPU) at R 2 with
     overlap, the engine gives transformers' greedy continuations with both on (default) and both off ("0"), and every
-    kernel call took q as the switch says. merged: the two experimental kernel switches on (both off by default):
-    JAXSPEC_ATTN_MERGED=1, every kernel call merges its splits itself, counting in the buffer its step passes from
-    call to call (a buffer handed on with counts left in it fails this test), and JAXSPEC_ATTN_PREFETCH=1, every call
-    walks its keys pipelined."""
+    kernel call took q as the switch says."""
     import jaxspec.pallas.paged_attention as pa
     from jaxspec.pallas import row_norms
 
     monkeypatch.delenv("JAXSPEC_ATTN_GATHER_Q", raising=False)
     monkeypatch.delenv("JAXSPEC_FUSED_NORMS", raising=False)
-    monkeypatch.setenv("JAXSPEC_ATTN_MERGED", "1" if switch == "merged" else "0")
-    monkeypatch.setenv("JAXSPEC_ATTN_PREFETCH", "1" if switch == "merged" else "0")
     if switch == "0":
         monkeypatch.setenv("JAXSPEC_ATTN_GATHER_Q", switch)
         monkeypatch.setenv("JAXSPEC_FUSED_NORMS", switch)
@@ -325,12 +320,11 @@ def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch, swit
     # its inner calls would not be seen again
     pa.paged_attention.clear_cache()
     # blocks of 16 keys, so that both pieces of a row (the interpreter's two) hold keys at these short contexts
-    monkeypatch.setattr(pa, "paged_attention_rows", lambda *a, **kw: seen.append(
-        (kw.get("gather_q"), kw.get("sem"), kw.get("prefetch"))) or real(*a, **{**kw, "block_k": 16}))
+    monkeypatch.setattr(pa, "paged_attention_rows", lambda *a, **kw: seen.append(kw.get("gather_q")) or real(
+        *a, **{**kw, "block_k": 16}))
     got, want = kernels_greedy(oracle)
     assert got == want
-    assert seen and all((g is not None) == (switch != "0") for g, _, _ in seen), seen
-    assert all((sem is not None) == prefetch == (switch == "merged") for _, sem, prefetch in seen)
+    assert seen and all((g is not None) == (switch != "0") for g in seen), seen
     assert bool(norms) == (switch != "0"), norms  # the norms kernel traced (prefill chunks, verify steps, drafts)
 
 

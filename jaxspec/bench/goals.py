@@ -116,15 +116,13 @@ NEUTRAL_XLA_FLAGS = {"--xla_enable_command_buffers_during_profiling=true"}
 
 # the environment switches (jaxspec.config.SWITCHES) as a GPU run ships: anything else is an experiment
 SHIPPED_SWITCHES = {"JAXSPEC_PRIME": "1", "JAXSPEC_GC_FREEZE": "1", "JAXSPEC_UNROLL_ROUNDS": "1",
-                    "JAXSPEC_ATTN_GATHER_Q": "1", "JAXSPEC_FUSE_QKV": "1", "JAXSPEC_ATTN_MERGED": "0",
-                    "JAXSPEC_ATTN_PREFETCH": "0", "JAXSPEC_FUSED_NORMS": "1",
-                    "JAXSPEC_JOINT_QK_NORM": "1",
-                    "JAXSPEC_QKV_KERNEL": None, "JAXSPEC_STAGE_INPUTS": "1",
+                    "JAXSPEC_ATTN_GATHER_Q": "1", "JAXSPEC_FUSE_QKV": "1", "JAXSPEC_FUSED_NORMS": "1",
+                    "JAXSPEC_JOINT_QK_NORM": "1", "JAXSPEC_QKV_KERNEL": None, "JAXSPEC_STAGE_INPUTS": "1",
                     "JAXSPEC_PINNED_INPUTS": "1"}
 # None: shipped unset only (JAXSPEC_QKV_KERNEL's default, on in one-position steps, is neither "0" nor "1")
 # switches removed with their code (`config.RETIRED_SWITCHES`), as older result files record them: off is what shipped
-RETIRED_SWITCHES = {"JAXSPEC_GEMV": "0", "JAXSPEC_SPLIT_PRODUCTS": "0", "JAXSPEC_PIN_OUTPUT": "0",
-                    "JAXSPEC_LAYER_PRODUCTS": "0"}
+RETIRED_SWITCHES = {"JAXSPEC_ATTN_MERGED": "0", "JAXSPEC_ATTN_PREFETCH": "0", "JAXSPEC_GEMV": "0",
+                    "JAXSPEC_SPLIT_PRODUCTS": "0", "JAXSPEC_PIN_OUTPUT": "0", "JAXSPEC_LAYER_PRODUCTS": "0"}
 
 
 # jaxlib's environment as shipped (`config.CLIENT_ENV`; unset means this): the stream-executor GPU client

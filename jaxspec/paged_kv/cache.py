@@ -22,7 +22,7 @@ from jaxspec.paged_kv.pool import PagePool
 from jaxspec.pallas.qkv_cache import q_rope, qkv_cache, write_rows
 from jaxspec.pallas.row_norms import Vec
 from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_ref,
-                                            paged_attention_rows, query_rows, row_ranges, sem_size)
+                                            paged_attention_rows, query_rows, row_ranges)
 
 MAX_KERNEL_QUERIES = 16  # q_len above this (prefill chunks) uses the XLA path (paged_attention_blocked)
 
@@ -108,21 +108,17 @@ def _attention_fn(use_kernels: bool, num_queries: int):
 
 
 def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_heads: int, layer: int, *,
-               fixed_splits: bool = False, sems: dict | None = None, **kw):
+               fixed_splits: bool = False, **kw):
     """`_attention_fn`'s choice called as attn(q, k, v, read, kv_start, q_lo, q_hi); on a mesh the kernel runs per
     device (`jaxspec.parallel.per_device_attention`), or the reference where the heads do not split evenly.
     fixed_splits: the kernel's (the reference has no splits: its whole-width sums are fixed by the index list).
-    sems: the calling step's count buffers ({entries: int32[entries]}, filled here). With JAXSPEC_ATTN_MERGED=1, on
-    one device, the kernel merges its splits itself (`paged_attention`'s sem), every call of a step passing the same
-    zeroed buffer on; by default a second kernel merges them: on the H200 the merged kernel made E4B's bs-1 verify
-    step 15% slower (4.715 -> 5.412 ms, 41 launches fewer; BENCHMARKS.md session 15), its last piece reading all
-    the pieces' partials alone. JAXSPEC_ATTN_PREFETCH=1 (off by default): the kernel's key walk software-pipelined
-    (`paged_attention`'s prefetch); on the H200 no faster (E4B decode 4.684 -> 4.695 ms; one piece's long walks up to
-    19% slower; BENCHMARKS.md session 16)."""
+    The kernel's splits are merged by a second kernel: the attention kernel merging them itself made E4B's bs-1
+    verify step 15% slower on the H200 (4.715 -> 5.412 ms, 41 launches fewer; BENCHMARKS.md session 15), its last
+    piece reading all the pieces' partials alone, and was removed in session 37 (JAXSPEC_ATTN_MERGED), as was the
+    key walk software-pipelined by hand (JAXSPEC_ATTN_PREFETCH: no faster, session 16)."""
     attn = _attention_fn(use_kernels, num_queries)
     if attn is paged_attention:  # the kernel's options: q's own layout in and out (default), fixed key pieces
-        kw = {**kw, "gather_q": env_switch("JAXSPEC_ATTN_GATHER_Q") is not False, "fixed_splits": fixed_splits,
-              "prefetch": bool(env_switch("JAXSPEC_ATTN_PREFETCH"))}
+        kw = {**kw, "gather_q": env_switch("JAXSPEC_ATTN_GATHER_Q") is not False, "fixed_splits": fixed_splits}
     if mesh is not None and attn is paged_attention:
         from jaxspec.parallel import per_device_attention
 
@@ -130,18 +126,8 @@ def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_hea
         if split is not None:
             return split
         attn = paged_attention_ref  # which takes none of the kernel's options
-        kw = {name: value for name, value in kw.items() if name not in ("gather_q", "fixed_splits", "prefetch")}
-    call = functools.partial(attn, layer=layer, **kw)
-    if sems is None or attn is not paged_attention or not env_switch("JAXSPEC_ATTN_MERGED"):
-        return call
-
-    def merged(q, k, v, read, kv_start, q_lo, q_hi):
-        n = sem_size(q.shape[0], q.shape[1], q.shape[2], k.shape[-2], q.shape[3])
-        sem = sems.pop(n, None)
-        out, sems[n] = call(q, k, v, read, kv_start, q_lo, q_hi, sem=jnp.zeros((n,), jnp.int32) if sem is None else sem)
-        return out
-
-    return merged
+        kw = {name: value for name, value in kw.items() if name not in ("gather_q", "fixed_splits")}
+    return functools.partial(attn, layer=layer, **kw)
 
 
 def qkv_kernel_on(meta: StepMetadata) -> bool:
@@ -159,8 +145,6 @@ def qkv_kernel_on(meta: StepMetadata) -> bool:
 def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, mesh=None):
     """An `Attend` over the paged cache: scatter the new K/V to the write slots, attend over the read window. mesh:
     the tensor-parallel mesh (`jaxspec.parallel`), where the kernels run per device."""
-    sems = {}  # the step's count buffers for the kernels' in-kernel merge (`_attend_fn`)
-
     def attend(kv, i, q, k, v):
         t, layer = cfg.kv_slot(i)
         m = meta.layers[t]
@@ -168,7 +152,7 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
             stack = kv[t]
             kv = {**kv, t: LayerKV(k=write_rows(stack.k, layer, m.write, k), v=write_rows(stack.v, layer, m.write, v))}
         attn = _attend_fn(use_kernels, q.shape[1], mesh, q.shape[2], kv[t].k.shape[2], layer, scale=cfg.query_scale,
-                          fixed_splits=meta.invariant, sems=sems)
+                          fixed_splits=meta.invariant)
         return attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi), kv
 
     if use_kernels and mesh is None and qkv_kernel_on(meta):
@@ -199,12 +183,11 @@ def draft_attend(cfg: TargetConfig, layer_types, meta: dict, *, use_kernels: boo
     type. meta: {type: AttentionMetadata} (`draft_metadata`). mesh: as `paged_attend`'s (the drafter's query heads
     then split as the target's K/V heads do)."""
     store = {t: len(cfg.kv_layers[t]) - 1 for t in cfg.kv_layers if cfg.kv_layers[t]}
-    sems = {}  # shared by every step and layer of the propose (`_attend_fn`)
 
     def attend(kv, i, q, k, v):
         t = layer_types[i]
         m = meta[t]
-        attn = _attend_fn(use_kernels, q.shape[1], mesh, q.shape[2], kv[t].k.shape[2], store[t], sems=sems)
+        attn = _attend_fn(use_kernels, q.shape[1], mesh, q.shape[2], kv[t].k.shape[2], store[t])
         return attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi), kv
 
     return attend

@@ -73,8 +73,7 @@ def _piece(split, first, last, *, num_splits: int, block_k: int, fixed_chunk: in
 
 
 def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer: int | None, rope_eps=None,
-                      gather_q=None, fixed_chunk: int | None = None, merge_rows: int | None = None,
-                      interpret: bool = False, prefetch: bool = False):
+                      gather_q=None, fixed_chunk: int | None = None):
     """Program (b, h, row_block, split): unnormalised attention of one query block over one piece of live keys
     (num_splits == 1: the normalised output, in o_ref's dtype; a row that saw no key gets 0).
 
@@ -91,19 +90,11 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     With fixed_chunk (keys, a multiple of block_k), split s walks entries [s * fixed_chunk, (s + 1) * fixed_chunk)
     of kv_indices in blocks that start at multiples of block_k, whatever the live span: which keys a program and a
     block hold, and so a row's sums, do not depend on the other rows of the call (batch invariance).
-    With merge_rows (the real query rows, Tq * G; num_splits > 1) the splits are merged in this kernel: every program
-    stores its partials (po_ref fp32[S, block_q, D], pm_ref / pl_ref fp32[S, block_q], the block of its query rows)
-    and counts itself done in sem_ref[query block] (an atomic add, after a barrier that orders its stores); the
-    program that counts last merges all S partials (`_merge_in_kernel`), writes the output and sets the count back to
-    0. refs then end: sem_in (aliased to sem_ref, unread), o_ref, po_ref, pm_ref, pl_ref, sem_ref.
-    With prefetch the key walk is software-pipelined by hand: while block j's scores and values are computed, the K/V
-    rows of block j + 1 are already being gathered (their slots read one block earlier) and the slots of block j + 2
-    read, so a block's dependent loads (index, then rows) are off the walk's critical path. (On the H200 that made
-    no walk faster and long ones up to 19% slower: BENCHMARKS.md session 16.)
+    (Two other forms were measured on the H200 and removed in session 37, commit a536233 has them: the splits merged
+    in this kernel by the last program of a query block to finish, after an atomic count, E4B's verify step 15%
+    slower, session 15; the key walk software-pipelined by hand, no walk faster and long ones up to 19% slower,
+    session 16.)
     """
-    if merge_rows is not None:  # the merged outputs; sem_in is the aliased input of sem_ref
-        *refs, _sem_in, o_ref, po_ref, pm_ref, pl_ref, sem_ref = refs
-        refs = [*refs, o_ref]
     if rope_eps is None:
         span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs = refs
     else:
@@ -171,26 +162,12 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
         block = keys(j)
         return attend(block, *rows_of(slots_of(block)), *carry)
 
-    def pipelined(j, carry):  # block j's rows arrived during block j - 1; j + 1's are gathered, j + 2's slots read
-        acc, m_prev, l_prev, k, v, slots_next = carry
-        k_next, v_next = rows_of(slots_next)
-        slots_after = slots_of(keys(j + 2))
-        return (*attend(keys(j), k, v, acc, m_prev, l_prev), k_next, v_next, slots_after)
-
     init = (
         jnp.zeros((block_q, head_dim), jnp.float32),
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    if prefetch:  # past the piece's end the slots are 0 (always in bounds): at most two blocks read for nothing
-        first_rows = rows_of(slots_of(keys(0)))
-        acc, m, l, *_ = lax.fori_loop(0, num_blocks, pipelined, (*init, *first_rows, slots_of(keys(1))))
-    else:
-        acc, m, l = lax.fori_loop(0, num_blocks, body, init)
-    if merge_rows is not None:
-        _merge_in_kernel(acc, m, l, o_ref, po_ref, pm_ref, pl_ref, sem_ref, piece, b=b, h=h, split=split,
-                         num_splits=num_splits, rows=merge_rows, gather_q=gather_q, interpret=interpret)
-        return
+    acc, m, l = lax.fori_loop(0, num_blocks, body, init)
     if not ml_refs:
         out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
         if gather_q is None:
@@ -202,43 +179,6 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
-
-
-def _merge_in_kernel(acc, m, l, o_ref, po_ref, pm_ref, pl_ref, sem_ref, piece, *, b, h, split, num_splits: int,
-                     rows: int, gather_q, interpret: bool):
-    """`_attention_kernel`'s merge_rows path after its key loop: store this piece's partials, count it done, and if it
-    is the last of its query block's pieces to finish, merge them all into o_ref and reset the count."""
-    _, block_q, head_dim = po_ref.shape
-    po_ref[split] = acc
-    pm_ref[split] = m
-    pl_ref[split] = l
-    if not interpret:  # every thread's stores before the count (the interpreter runs programs one after another)
-        pltriton.debug_barrier()
-    r = pl.program_id(2)
-    count = (b * pl.num_programs(1) + h) * pl.num_programs(2) + r
-    done = pltriton.atomic_add(sem_ref, (count,), jnp.int32(1))  # acquire-release, GPU scope
-    if gather_q is not None:  # (program ids are read out here: the interpreter has none inside the `when`)
-        q_rows, own = _own_rows(gather_q, h, block_q)
-
-    @pl.when(done == num_splits - 1)
-    def _last():
-        lo, hi = piece(lax.iota(jnp.int32, num_splits))
-        real = r * block_q + lax.iota(jnp.int32, block_q) < rows
-        live = (hi > lo)[:, None] & real[None, :]  # [S, block_q]: empty pieces and padding rows are never read
-        # written by other programs (other SMs): volatile loads read L2, never a stale L1 line
-        pm = pltriton.load(pm_ref, mask=live, other=-jnp.inf, volatile=True)
-        w, denom = _merge_weights(pm, pltriton.load(pl_ref, mask=live, other=0.0, volatile=True))
-        block_d = max(1, min(head_dim, 16384 // (num_splits * block_q)))
-        for d0 in range(0, head_dim, block_d):  # a [S, block_q, block_d] tile of partials at a time
-            cols = pl.ds(d0, block_d)
-            po = pltriton.load(po_ref.at[:, :, cols], mask=jnp.broadcast_to(live[:, :, None], (*live.shape, block_d)),
-                               other=0.0, volatile=True)
-            out = (jnp.sum(w[:, :, None] * po, axis=0) / denom[:, None]).astype(o_ref.dtype)
-            if gather_q is None:
-                o_ref[:, cols] = out
-            else:
-                _store_rows(o_ref, b, q_rows, own, d0 + lax.iota(jnp.int32, block_d), out)
-        sem_ref[count] = jnp.int32(0)  # every piece has counted: ready for the next call
 
 
 def _merge_weights(m, l):
@@ -334,14 +274,13 @@ def row_ranges(kv_start, q_lo, q_hi, group: int, padded_rows: int, width: int):
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "layer", "block_k", "block_q", "num_splits", "num_warps", "num_stages", "interpret",
-                     "gather_q", "fixed_splits", "prefetch"),
-    donate_argnames=("sem",),
+                     "gather_q", "fixed_splits"),
 )
 def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, scale: float = 1.0,
                     layer: int | None = None,
                     block_k: int | None = None, block_q: int | None = None, num_splits: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None,
-                    gather_q: bool = False, fixed_splits: bool = False, sem=None, prefetch: bool = False):
+                    gather_q: bool = False, fixed_splits: bool = False):
     """Attention of q over the keys listed in `kv_indices` (kernel of `paged_attention_ref`).
 
     q: [B, Tq, NH, D]; k_cache, v_cache: [num_slots, KVH, D]; NH = G * KVH; D a power of two >= 16. With `layer`,
@@ -362,12 +301,6 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     of block_k) instead of following the live span, so that a query row's output does not depend on the other rows
     of the call; with kv_start 0 for every row, a row's result is then a function of its own position and keys
     (the engine's batch-invariant mode, `EngineConfig.batch_invariant`).
-    sem: int32[n] of zeros, n >= `sem_size(...)`: the splits are merged inside the attention kernel, by the last
-    program of each query block to finish (an atomic count in sem, which that program sets back to 0): one launch
-    instead of two. The call then returns (out, sem), sem all zeros again, for the next call to take (callers chain
-    one buffer through the layers of a step: one zeroing a program).
-    prefetch: each program walks its keys software-pipelined (block j + 1's K/V rows gathered, block j + 2's slots
-    read while block j is computed; `_attention_kernel`); the same result (JAXSPEC_ATTN_PREFETCH=1 in the engine).
     Returns [B, Tq, NH, D] in q.dtype.
     """
     B, Tq, NH, D = q.shape
@@ -387,29 +320,18 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     out = paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, scale=scale,
                                layer=layer, block_k=block_k, block_q=block_q, num_splits=num_splits,
                                num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-                               gather_q=(rows, NH, G) if gather_q else None, fixed_splits=fixed_splits, sem=sem,
-                               prefetch=prefetch)
-    if sem is not None:
-        out, sem = out
+                               gather_q=(rows, NH, G) if gather_q else None, fixed_splits=fixed_splits)
     if gather_q:  # written in q's layout: no un-padding copy after the call either
         out = out.reshape(B, Tq, NH, D)
     else:
         out = out[:, :, :rows].reshape(B, KVH, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, NH, D)
-    return out if sem is None else (out, sem)
-
-
-def sem_size(batch: int, num_queries: int, num_heads: int, kv_heads: int, head_dim: int,
-             block_q: int | None = None) -> int:
-    """Entries of `paged_attention`'s sem that a call of these shapes counts in: one per (row, kv head, query block)."""
-    block_q, padded_rows = query_rows(num_queries, num_heads // kv_heads, head_dim, block_q)
-    return batch * kv_heads * (padded_rows // block_q)
+    return out
 
 
 def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, *, scale: float = 1.0,
                          layer: int | None = None, block_k: int | None = None, block_q: int | None = None,
                          num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                         interpret: bool | None = None, rope=None, gather_q=None, fixed_splits: bool = False,
-                         sem=None, prefetch: bool = False):
+                         interpret: bool | None = None, rope=None, gather_q=None, fixed_splits: bool = False):
     """`paged_attention` on queries already in the row layout (`query_rows`, `row_ranges`): q_rows [Bq, KVH, R, D],
     row_lo / row_hi int32[B, R], span int32[B, 2], B <= Bq: the first B rows are attended (more query rows may be
     padding of their producer; those output rows are left unwritten). Returns [Bq, KVH, R, D] in q_rows.dtype
@@ -421,7 +343,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     gather_q: (Tq * G, NH, G) when q_rows is the queries as they are, [Bq, Tq * NH, D] (`paged_attention`'s
     gather_q); the kernel gathers each program's rows, and the result comes back in that layout too,
     [Bq, Tq * NH, D] (the last kernel stores each row where its query sits; padding rows store nothing).
-    fixed_splits, sem, prefetch: `paged_attention`'s (with sem: returns (out, sem))."""
+    fixed_splits: `paged_attention`'s."""
     if gather_q is None:
         Bq, KVH, padded_rows, D = q_rows.shape
     else:
@@ -452,13 +374,8 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     num_splits = _next_pow2(num_splits)  # the merge kernel holds the splits in one power-of-two block
 
     fixed_chunk = pl.cdiv(pl.cdiv(width, num_splits), block_k) * block_k if fixed_splits else None
-    merged = sem is not None and num_splits > 1  # the splits merged in the attention kernel
-    if merged and sem.shape[0] < B * KVH * row_blocks:
-        raise ValueError(f"sem has {sem.shape[0]} entries; this call counts in {B * KVH * row_blocks}")
     kernel = functools.partial(_attention_kernel, scale=scale, block_k=block_k, num_splits=num_splits, layer=layer,
-                               rope_eps=None if rope is None else rope[5], gather_q=gather_q, fixed_chunk=fixed_chunk,
-                               merge_rows=(gather_q[0] if gather_q else padded_rows) if merged else None,
-                               interpret=interpret, prefetch=prefetch)
+                               rope_eps=None if rope is None else rope[5], gather_q=gather_q, fixed_chunk=fixed_chunk)
 
     def whole(shape):  # read by slot or row index inside the kernel
         return pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))
@@ -488,27 +405,6 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
         out_shape = jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype)
     out_spec = (pl.BlockSpec((None, None, block_q, D), lambda b, h, r, s: (b, h, r, 0)) if gather_q is None
                 else whole(out_shape.shape))
-    if merged:  # one kernel: the last piece of each query block to finish merges them all
-        pieces = pl.BlockSpec((None, None, num_splits, block_q), lambda b, h, r, s: (b, h, 0, r))
-        out, _, _, _, sem = pl.pallas_call(
-            kernel,
-            grid=(B, KVH, row_blocks, num_splits),
-            in_specs=[*in_specs, whole(sem.shape)],
-            out_specs=[out_spec, pl.BlockSpec((None, None, num_splits, block_q, D), lambda b, h, r, s: (b, h, 0, r, 0)),
-                       pieces, pieces, whole(sem.shape)],
-            out_shape=[
-                out_shape,
-                jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows, D), jnp.float32),
-                jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows), jnp.float32),
-                jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows), jnp.float32),
-                jax.ShapeDtypeStruct(sem.shape, jnp.int32),
-            ],
-            input_output_aliases={len(args): 4},
-            compiler_params=params,
-            interpret=interpret,
-            name="paged_attention_merged",
-        )(*args, sem)
-        return out, sem
     if num_splits == 1:  # the program normalises: no partials, no merge
         out = pl.pallas_call(
             kernel,
@@ -520,7 +416,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
             interpret=interpret,
             name="paged_attention",
         )(*args)
-        return out if sem is None else (out, sem)
+        return out
     o, m, l = pl.pallas_call(
         kernel,
         grid=(B, KVH, row_blocks, num_splits),

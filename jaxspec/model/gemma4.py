@@ -109,9 +109,9 @@ def is_fused(params) -> bool:
 
 def stored_params(params, tensor_parallel_size: int = 1) -> dict:
     """The target's weights as the engine stores them: on one device one q/k/v stack per layer group (`fuse_qkv`,
-    unless JAXSPEC_FUSE_QKV=0); split over devices the stacks as loaded (the shardings name them). Loaders call it, so that the caller's copy is
-    the engine's and the loaded stacks are not held beside it; the engine calls it again (a no-op on stored weights).
-    ConfigError for fused weights on several devices."""
+    unless JAXSPEC_FUSE_QKV=0); split over devices the stacks as loaded (the shardings name them). Loaders call it,
+    so that the caller's copy is the engine's and the loaded stacks are not held beside it; the engine calls it again
+    (a no-op on stored weights). ConfigError for fused weights on several devices."""
     if tensor_parallel_size > 1:
         if is_fused(params):
             raise ConfigError("tensor parallelism splits q, k and v by head: it takes the three projection stacks, "
@@ -288,11 +288,12 @@ def paged_forward(params, cfg: TargetConfig, kv, meta: StepMetadata, tokens, *, 
 
 def layer_ops(use_kernels: bool, mesh=None) -> LayerOps:
     """The kernels a layer runs between its weights and values, with the kernels on one device: the residual stream's
-    norms (`row_norms.add_norm`) unless JAXSPEC_FUSED_NORMS=0; the jnp reference otherwise. The norms kernel is on by default: on the H200 it took
-    E4B's bs-1 decode step from 4.55-4.65 to 4.28-4.34 ms (-6%, XLA splits each norm of a single row into two
-    kernels) and tied on the verify step and the bs-64 propose (BENCHMARKS.md session 29). Two kernels of the products were
-    slower and are removed (session 37; commit a536233 has them): the small products alone (`gemv`, session 17:
-    E4B's verify step 14-29% slower) and a layer's products with their norms (`layer_products`, session 26: 2.8x)."""
+    norms (`row_norms.add_norm`) unless JAXSPEC_FUSED_NORMS=0; the jnp reference otherwise. The norms kernel is on by
+    default: on the H200 it took E4B's bs-1 decode step from 4.55-4.65 to 4.28-4.34 ms (-6%, XLA splits each norm of
+    a single row into two kernels) and tied on the verify step and the bs-64 propose (BENCHMARKS.md session 29). Three
+    kernels of the products were slower and are removed (session 37; commit a536233 has them): the small products
+    alone (`gemv`, session 17: E4B's verify step 14-29% slower), a layer's products with their norms
+    (`layer_products`, session 26: 2.8x) and o / down in pieces summed in the norms kernel (session 33: decode +3%)."""
     on = use_kernels and mesh is None
     return LayerOps(
         add_norm=row_norms.add_norm if on and env_switch("JAXSPEC_FUSED_NORMS") is not False else add_norm_ref)

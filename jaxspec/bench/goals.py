@@ -21,6 +21,7 @@ import shlex
 from dataclasses import dataclass
 
 from jaxspec.bench.common import print_table
+from jaxspec import config
 from jaxspec.config import ConfigError
 
 DEVICE = "H200"  # in the device_kind of every file that counts ("NVIDIA H200")
@@ -120,9 +121,8 @@ SHIPPED_SWITCHES = {"JAXSPEC_PRIME": "1", "JAXSPEC_GC_FREEZE": "1", "JAXSPEC_UNR
                     "JAXSPEC_JOINT_QK_NORM": "1", "JAXSPEC_QKV_KERNEL": None, "JAXSPEC_STAGE_INPUTS": "1",
                     "JAXSPEC_PINNED_INPUTS": "1"}
 # None: shipped unset only (JAXSPEC_QKV_KERNEL's default, on in one-position steps, is neither "0" nor "1")
-# switches removed with their code (`config.RETIRED_SWITCHES`), as older result files record them: off is what shipped
-RETIRED_SWITCHES = {"JAXSPEC_ATTN_MERGED": "0", "JAXSPEC_ATTN_PREFETCH": "0", "JAXSPEC_GEMV": "0",
-                    "JAXSPEC_SPLIT_PRODUCTS": "0", "JAXSPEC_PIN_OUTPUT": "0", "JAXSPEC_LAYER_PRODUCTS": "0"}
+# switches removed with their code, as older result files record them: off is what shipped
+RETIRED_SWITCHES = {name: "0" for name in config.RETIRED_SWITCHES}
 
 
 # jaxlib's environment as shipped (`config.CLIENT_ENV`; unset means this): the stream-executor GPU client

@@ -91,6 +91,9 @@
 # inputs: on). Next: s35-pinned-default and goal-rows and s30-nodes on an H200.
 # session 37 (issue #14): goal-rows on an H200 when one comes; s37-named (decode and verify bs 1 traced with XLA's HLO
 # beside them: every kernel's µs by jax op, where the launch count of a step goes on the device).
+# session 38 (issue #14, H100): s38-gelu (the one-row PLE gate's exp-form gelu against the tanh form, GPU tests of
+# test_model and test_draft_layer first), s38-tiling (XLA's exhaustive GEMM tiling search: the same kernels), both
+# traced inline (BENCHMARKS.md session 38 has the commands). Next: goal-rows, s35-pinned-ab, s30-nodes on an H200.
 # Session 37 removed six switches that measured slower (JAXSPEC_ATTN_MERGED, JAXSPEC_ATTN_PREFETCH, JAXSPEC_GEMV,
 # JAXSPEC_SPLIT_PRODUCTS, JAXSPEC_LAYER_PRODUCTS, JAXSPEC_PIN_OUTPUT) with their code and diagnoses: the recipes above
 # that use them need commit a536233's tree.
@@ -738,6 +741,41 @@ s21-pin)  # issue #14 (next): JAXSPEC_PIN_OUTPUT 0 against 1 (the decode call's 
       > "$OUT/e2e-e4b-pin$v.log" 2>&1; echo "== E4B JAXSPEC_PIN_OUTPUT=$v"; grep -h "^e2e bs" "$OUT/e2e-e4b-pin$v.log"; done
   [[ $steps == *" 270m "* ]] && [ -d /root/gemma-3-270m ] && RS=1 switch_ab_270m \
     JAXSPEC_PIN_OUTPUT pin ${AB_TIMEOUT:-200}; true ;;
+s38-gelu)  # issue #14: the one-row PLE gate's gelu written x / (1 + exp(-2u)) (`layers.gated_ple`, session 38: XLA then
+  # fuses gelu * ple into the ple_proj reduction, -42 launches a bs-1 decode step) against the tanh form (carry
+  # .before/layers.py and .before/gemma4.py: `git show <before>:jaxspec/model/{layers,gemma4}.py`), one process a run
+  # in GELU_SEQ's order (default "new old new old"), decode bs 1 (paged, E4B, 4K); GELU_LANE=1 (default) first runs
+  # the GPU tests of test_model and test_draft_layer (Triton kernels, -n 8; xdist from .whl/)
+  if [[ ${GELU_LANE:-1} == 1 ]]; then
+    python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/*.whl > /dev/null 2>&1 \
+      || { mkdir -p /tmp/xd && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/xd; done; export PYTHONPATH=.:/tmp/xd; }
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-240} python3 -m pytest -v -p no:cacheprovider --tb=short \
+      -rfE -n ${WORKERS:-8} --dist loadgroup tests/test_model.py tests/test_draft_layer.py > "$OUT/tests-gelu.txt" 2>&1
+    grep -E "(passed|failed).* in |^FAILED|^ERROR" "$OUT/tests-gelu.txt" | tail -12; fi
+  mkdir -p /tmp/gelu-new && cp jaxspec/model/layers.py jaxspec/model/gemma4.py /tmp/gelu-new/; i=0
+  for v in ${GELU_SEQ:-new old new old}; do i=$((i + 1))
+    [ $SECONDS -lt ${GELU_BUDGET:-500} ] || { echo "== time: stopped before run $i"; break; }
+    if [[ $v == old ]]; then cp .before/layers.py .before/gemma4.py jaxspec/model/; tag=old-experiment; else
+      cp /tmp/gelu-new/*.py jaxspec/model/; tag=new; fi
+    timeout ${DECODE_TIMEOUT:-150} python3 -m jaxspec.bench decode --bs 1 --cache paged \
+      --json "$OUT/decode-gelu-$tag-run$i.json" > /tmp/gelu-$i.log 2>&1
+    cat /tmp/gelu-$i.log >> "$OUT/gelu.log"
+    echo "== $v run $i (${SECONDS}s): $(grep -hE '^step of|Error' /tmp/gelu-$i.log | tr '\n' ' ')"; done
+  cp /tmp/gelu-new/*.py jaxspec/model/ ;;
+s38-tiling)  # issue #14: XLA's exhaustive GEMM tiling search (`--xla_gpu_exhaustive_tiling_search=true`: the autotuner
+  # tries every Triton tiling, not its short list) against the default, one process a run, in TILING_SEQ's order
+  # (default "1 0 1 0"; 1: the flag), for each step of TILING_STEPS (default "decode verify": bs 1, E4B, 4K). The MLP's
+  # one-row GEMMs run at 78-84% of the HBM rate (session 37: gate/up 37.8 us, 2.8 TB/s on the H100)
+  i=0; for v in ${TILING_SEQ:-1 0 1 0}; do i=$((i + 1))
+    [ $SECONDS -lt ${TILING_BUDGET:-470} ] || { echo "== time: stopped before run $i"; break; }
+    f=""; [[ $v == 1 ]] && f="--xla_gpu_exhaustive_tiling_search=true"
+    for step in ${TILING_STEPS:-decode verify}; do
+      args="--bs 1"; [[ $step == decode ]] && args="--bs 1 --cache paged"
+      XLA_FLAGS="$f" timeout ${TILING_TIMEOUT:-240} python3 -m jaxspec.bench $step $args \
+        --json "$OUT/$step-tiling$v-run$i.json" > /tmp/tiling-$step-$i.log 2>&1
+      cat /tmp/tiling-$step-$i.log >> "$OUT/tiling.log"
+      echo "== $step exhaustive=$v run $i (${SECONDS}s): $(grep -hE '^(paged|step of)|Error' /tmp/tiling-$step-$i.log \
+        | tr '\n' ' ')"; done; done ;;
 goal-rows)  # issue #14: every goal row of the target's and the drafter's steps in one call (goal_rows)
   goal_rows ;;
 s26-goals)  # issue #14: goal-rows after warm compiles (its three programs compiled side by side into the persistent
@@ -819,8 +857,7 @@ s34-lane)  # issue #14: the whole GPU lane of the current tree in two calls (PAR
     || { mkdir -p /tmp/xd && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/xd; done; export PYTHONPATH=.:/tmp/xd; }
   case ${PART:-1} in
     1) files="tests/test_kernels.py tests/test_model.py tests/test_paged.py tests/test_drafter.py tests/test_draft_layer.py
-        tests/test_qkv_cache.py tests/test_row_norms.py tests/test_gemv.py tests/test_layer_products.py
-        tests/test_staging.py tests/test_pool.py" ;;
+        tests/test_qkv_cache.py tests/test_row_norms.py tests/test_staging.py tests/test_pool.py" ;;
     *) files="tests/test_rounds.py tests/test_engine.py" ;;
   esac
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-560} python3 -m pytest -v -p no:cacheprovider --tb=short \

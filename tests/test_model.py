@@ -87,6 +87,21 @@ def test_incremental_decode_equals_full_forward(case):
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=TOL, rtol=0)
 
 
+def test_one_row_decode_equals_transformers(case):
+    """The first prompt alone, prefilled 11 tokens and then one token a step: one-row steps, which take their own
+    forms (`layers.gated_ple`'s exp-form gelu; on the GPU `linear`'s one-row products), give transformers' logits."""
+    name, cfg, params, ref = case
+    ids = jnp.asarray(ref["prompt_ids"][:1], jnp.int32)
+    T = ids.shape[1]
+    cache = gemma4.init_dense_cache(cfg, 1, T, jnp.float32)
+    out, _, cache = gemma4.dense_forward_jit(params, cfg, ids[:, :11], 0, cache)
+    steps = [np.asarray(out)]
+    for p in range(11, T):
+        out, _, cache = gemma4.dense_forward_jit(params, cfg, ids[:, p : p + 1], p, cache)
+        steps.append(np.asarray(out))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), ref["logits"][:1], atol=TOL, rtol=0)
+
+
 def _broken_variants(cfg, params):
     yield "full RoPE instead of proportional", dataclasses.replace(cfg, rope_full=Rope(theta=cfg.rope_full.theta)), params
     ones = {g: dict(w, layer_scalar=jnp.ones_like(w["layer_scalar"])) for g, w in params["layers"].items()}
@@ -322,3 +337,52 @@ def test_one_row_product_check_has_teeth():
         terms = x.astype(jnp.float32)[..., None, :] * w.astype(jnp.float32)
         return jnp.sum(jax.lax.reduce_precision(terms, exponent_bits=8, mantissa_bits=7), axis=-1).astype(x.dtype)
     assert outputs_not_exactly_rounded(rounded_terms, x, w) > 100
+
+
+def gelu_error(gelu) -> tuple[float, float]:
+    """(the largest absolute error in fp64, in fp32) of `gelu` against the tanh approximation 0.5 x (1 + tanh(t)),
+    t = sqrt(2/pi) (x + 0.044715 x^3), computed in fp64 from the same inputs, over x in [-20, 20]."""
+    x64 = np.linspace(-20.0, 20.0, 80001)
+
+    def exact(x):
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+    with jax.enable_x64(True):
+        e64 = float(np.max(np.abs(np.asarray(gelu(jnp.asarray(x64, jnp.float64))) - exact(x64))))
+    x32 = np.asarray(x64, np.float32)
+    e32 = float(np.max(np.abs(np.asarray(gelu(jnp.asarray(x32)), np.float64) - exact(x32.astype(np.float64)))))
+    return e64, e32
+
+
+def is_tanh_gelu(gelu) -> bool:
+    """The check: within rounding of the tanh approximation in fp64, within 1e-6 in fp32."""
+    e64, e32 = gelu_error(gelu)
+    return e64 < 1e-12 and e32 < 1e-6
+
+
+def test_gelu_is_the_tanh_approximation():
+    """`layers.gelu_tanh_exp`, written x / (1 + exp(-2t)) so that XLA fuses it into the one-row product that reads it
+    (BENCHMARKS.md session 38), is transformers' gelu_pytorch_tanh as `gelu_tanh` is: in fp64 to rounding, in fp32
+    within 1e-6 (as close as jax.nn.gelu's tanh form, 7.8e-7), and its outputs stay finite at the range's ends; a
+    one-row `gated_ple` takes it, a many-row one the tanh form, both within 1e-6 of each other in fp32."""
+    assert is_tanh_gelu(layers.gelu_tanh_exp) and is_tanh_gelu(layers.gelu_tanh)
+    assert gelu_error(layers.gelu_tanh_exp)[1] < 2 * gelu_error(layers.gelu_tanh)[1]
+    x = jnp.asarray([-1e4, -50.0, 50.0, 1e4], jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(layers.gelu_tanh_exp(x), np.float32),
+                                  [0.0, 0.0, 50.0, float(x[3])])
+    gate = jax.random.normal(jax.random.PRNGKey(0), (4, 1, 256)) * 3
+    ple = jax.random.normal(jax.random.PRNGKey(1), (4, 1, 256))
+    rows = jnp.concatenate([layers.gated_ple(gate[i:i + 1], ple[i:i + 1]) for i in range(4)])
+    np.testing.assert_allclose(np.asarray(rows), np.asarray(layers.gated_ple(gate, ple)), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("broken", ["half_exponent", "cubic_constant", "erf_gelu"])
+def test_gelu_check_has_teeth(broken):
+    """The check above fails near misses: exp(-t) for exp(-2t) (the tanh-to-sigmoid identity's factor lost), a
+    rounded cubic constant (0.0447), and the exact erf GELU instead of the tanh approximation."""
+    c = 2 * np.sqrt(2 / np.pi)
+    forms = {
+        "half_exponent": lambda x: x / (1 + jnp.exp(-(x + 0.044715 * x**3) * c / 2)),
+        "cubic_constant": lambda x: x / (1 + jnp.exp(-(x + 0.0447 * x**3) * c)),
+        "erf_gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    }
+    assert not is_tanh_gelu(forms[broken])

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 from jaxspec.config import SLIDING, ConfigError, TargetConfig, env_switch
 from jaxspec.model.attention import attention
-from jaxspec.model.layers import (acc_dtype, apply_rope, gelu_tanh, joint_heads, linear, mlp_activation, moe,
-                                  rms_norm, rope_tables, softcap, sqrt_scale)
+from jaxspec.model.layers import (acc_dtype, apply_rope, gated_ple, joint_heads, linear, mlp_activation, moe, rms_norm,
+                                  rope_tables, softcap, sqrt_scale)
 from jaxspec.paged_kv.cache import LayerKV, paged_attend
 from jaxspec.paged_kv.metadata import StepMetadata
 from jaxspec.pallas import row_norms
@@ -191,7 +191,7 @@ def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, p
         x, h = add_norm(m, residual, w.vec("norms", 3), next_norm, w.vec("layer_scalar"), eps)
         return x, h, cache
     x, _ = add_norm(m, residual, w.vec("norms", 3), None, None, eps)
-    g = gelu_tanh(vec_linear(x, w.vec("ple_gate"))) * ple_i
+    g = gated_ple(vec_linear(x, w.vec("ple_gate")), ple_i)
     p = vec_linear(g, w.vec("ple_proj"))
     x, h = add_norm(p, x, w.vec("ple_norm"), next_norm, w.vec("layer_scalar"), eps)
     return x, h, cache

@@ -81,6 +81,27 @@ def gelu_tanh(x):
     return jax.nn.gelu(x, approximate=True)
 
 
+def gelu_tanh_exp(x):
+    """`gelu_tanh`, transformers' gelu_pytorch_tanh 0.5 x (1 + tanh(t)) with t = sqrt(2/pi) (x + 0.044715 x^3),
+    written as the identical x / (1 + exp(-2t)), in x's dtype. In fp32 its largest error against the tanh form in
+    fp64 is 5.2e-7 over [-20, 20] (jax.nn.gelu's: 7.8e-7). XLA's GPU compiler fuses this form into a one-row product
+    that reads it, not the tanh form (`gated_ple`)."""
+    u = (x + 0.044715 * (x * x * x)) * (2 * math.sqrt(2 / math.pi))
+    return x / (1 + jnp.exp(-u))
+
+
+def gated_ple(gate, ple):
+    """gelu_tanh(gate) * ple: the per-layer input branch's gate, in gate's dtype. One row takes `gelu_tanh_exp`,
+    which XLA on the GPU fuses into the ple_proj product's reduction that follows, where the tanh form is a kernel of
+    its own (E4B's bs-1 decode step 658 -> 616 launches, 34.7 us less kernel time a step on the H100: BENCHMARKS.md
+    session 38). More rows keep the tanh form: at 256 rows (E4B's bs-64 verify step) XLA folds the ple_gate GEMM's
+    split-K reduction into a tanh consumer and not into the exp one (+42 launches, compiled for the H200). As the
+    one-row products (`linear`), a row's rounding may so differ between one-row and many-row steps; the
+    batch-invariant mode's steps have at least two rows."""
+    act = gelu_tanh_exp if math.prod(gate.shape[:-1]) == 1 else gelu_tanh
+    return act(gate) * ple
+
+
 # XLA's GPU compiler rewrites a product of one row whose weight has at most this many elements into a multiply and a
 # reduction (its dot strength reduction, `IsMatrixMultiplicationTooSmallForRewriting(dot, 10000000)`), and runs the
 # multiply in the dot's dtype: in bf16 each term is rounded to bf16 before the fp32 sum (BENCHMARKS.md, session 34).

@@ -76,30 +76,28 @@ def test_incremental_decode_equals_full_forward(case):
     """Prefill 11 tokens, then one token at a time through the window: the same logits as one full forward."""
     name, cfg, params, ref = case
     ids = jnp.asarray(ref["prompt_ids"], jnp.int32)
-    B, T = ids.shape
     full, _, _ = run_dense(cfg, params, ids)
+    np.testing.assert_allclose(decode_one_at_a_time(cfg, params, ids), full, atol=TOL, rtol=0)
+
+
+def decode_one_at_a_time(cfg, params, ids, prefill: int = 11):
+    """Logits [B, T, V] of ids prefilled `prefill` tokens, then decoded one token a step (dense cache, fp32)."""
+    B, T = ids.shape
     cache = gemma4.init_dense_cache(cfg, B, T, jnp.float32)
-    out, _, cache = gemma4.dense_forward_jit(params, cfg, ids[:, :11], 0, cache)
+    out, _, cache = gemma4.dense_forward_jit(params, cfg, ids[:, :prefill], 0, cache)
     steps = [np.asarray(out)]
-    for p in range(11, T):
+    for p in range(prefill, T):
         out, _, cache = gemma4.dense_forward_jit(params, cfg, ids[:, p : p + 1], p, cache)
         steps.append(np.asarray(out))
-    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=TOL, rtol=0)
+    return np.concatenate(steps, axis=1)
 
 
 def test_one_row_decode_equals_transformers(case):
     """The first prompt alone, prefilled 11 tokens and then one token a step: one-row steps, which take their own
     forms (`layers.gated_ple`'s exp-form gelu; on the GPU `linear`'s one-row products), give transformers' logits."""
     name, cfg, params, ref = case
-    ids = jnp.asarray(ref["prompt_ids"][:1], jnp.int32)
-    T = ids.shape[1]
-    cache = gemma4.init_dense_cache(cfg, 1, T, jnp.float32)
-    out, _, cache = gemma4.dense_forward_jit(params, cfg, ids[:, :11], 0, cache)
-    steps = [np.asarray(out)]
-    for p in range(11, T):
-        out, _, cache = gemma4.dense_forward_jit(params, cfg, ids[:, p : p + 1], p, cache)
-        steps.append(np.asarray(out))
-    np.testing.assert_allclose(np.concatenate(steps, axis=1), ref["logits"][:1], atol=TOL, rtol=0)
+    logits = decode_one_at_a_time(cfg, params, jnp.asarray(ref["prompt_ids"][:1], jnp.int32))
+    np.testing.assert_allclose(logits, ref["logits"][:1], atol=TOL, rtol=0)
 
 
 def _broken_variants(cfg, params):

@@ -151,6 +151,11 @@ goal_rows() {  # every goal row of issue #14 (E4B, 4K, the defaults): the propos
   grep -E "^(propose|verify|decode)|Error|error:" "$OUT/goals.log" | head -20
 }
 
+need_xdist() {  # pytest-xdist for `-n`: installed, or from the wheels carried in .whl/ (pip, else unpacked on the path)
+  python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/*.whl > /dev/null 2>&1 \
+    || { mkdir -p /tmp/xd && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/xd; done; export PYTHONPATH=.:/tmp/xd; }
+}
+
 warm() {  # $1 a log tag, the rest a bench subcommand and its flags: one --iters 1 run that fills the persistent compile
   # cache, memory not preallocated and held to WARM_MEM of the GPU (default 14%: several run side by side; session 26
   # saw six unbounded ones run the GPU out of memory); its own figures are not results (JSON under /tmp)
@@ -747,8 +752,7 @@ s38-gelu)  # issue #14: the one-row PLE gate's gelu written x / (1 + exp(-2u)) (
   # in GELU_SEQ's order (default "new old new old"), decode bs 1 (paged, E4B, 4K); GELU_LANE=1 (default) first runs
   # the GPU tests of test_model and test_draft_layer (Triton kernels, -n 8; xdist from .whl/)
   if [[ ${GELU_LANE:-1} == 1 ]]; then
-    python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/*.whl > /dev/null 2>&1 \
-      || { mkdir -p /tmp/xd && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/xd; done; export PYTHONPATH=.:/tmp/xd; }
+    need_xdist
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-240} python3 -m pytest -v -p no:cacheprovider --tb=short \
       -rfE -n ${WORKERS:-8} --dist loadgroup tests/test_model.py tests/test_draft_layer.py > "$OUT/tests-gelu.txt" 2>&1
     grep -E "(passed|failed).* in |^FAILED|^ERROR" "$OUT/tests-gelu.txt" | tail -12; fi
@@ -853,8 +857,7 @@ s34-one-row)  # issue #14 (next): one-row bf16 products with fp32 terms on the G
 s34-lane)  # issue #14: the whole GPU lane of the current tree in two calls (PART 1: the kernels, model, paged cache,
   # drafter and layer-kernel files; PART 2: test_rounds and test_engine), pytest-xdist workers sharing the GPU (memory
   # not preallocated; xdist carried in .whl/ when the machine lacks it), every test's outcome listed (-v)
-  python3 -c "import xdist" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/*.whl > /dev/null 2>&1 \
-    || { mkdir -p /tmp/xd && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/xd; done; export PYTHONPATH=.:/tmp/xd; }
+  need_xdist
   case ${PART:-1} in
     1) files="tests/test_kernels.py tests/test_model.py tests/test_paged.py tests/test_drafter.py tests/test_draft_layer.py
         tests/test_qkv_cache.py tests/test_row_norms.py tests/test_staging.py tests/test_pool.py" ;;

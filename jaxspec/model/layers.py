@@ -77,6 +77,12 @@ def joint_heads(out, q_norm, k_norm, cos, sin, *, num_heads: int, head_dim: int,
     return qk[:, :, :NH], qk[:, :, NH:], v
 
 
+def one_row(x) -> bool:
+    """Whether x [..., K] holds a single row: the steps where XLA on the GPU strength-reduces products (`linear`) and
+    fuses an exp-form activation into them (`gated_ple`)."""
+    return math.prod(x.shape[:-1]) == 1
+
+
 def gelu_tanh(x):
     return jax.nn.gelu(x, approximate=True)
 
@@ -98,7 +104,7 @@ def gated_ple(gate, ple):
     split-K reduction into a tanh consumer and not into the exp one (+42 launches, compiled for the H200). As the
     one-row products (`linear`), a row's rounding may so differ between one-row and many-row steps; the
     batch-invariant mode's steps have at least two rows."""
-    act = gelu_tanh_exp if math.prod(gate.shape[:-1]) == 1 else gelu_tanh
+    act = gelu_tanh_exp if one_row(gate) else gelu_tanh
     return act(gate) * ple
 
 
@@ -113,7 +119,7 @@ def linear(x, w):
     dtype, at most STRENGTH_REDUCED_MAX weights), the same multiply and reduction written out with fp32 terms
     (`one_row_product`), as transformers' cuBLAS products and XLA's own GEMMs (every product of more rows) compute
     them; XLA fuses them into the one reduction kernel it would have made. Other platforms keep the dot."""
-    if (jnp.dtype(x.dtype).itemsize < 4 and x.dtype == w.dtype and math.prod(x.shape[:-1]) == 1
+    if (jnp.dtype(x.dtype).itemsize < 4 and x.dtype == w.dtype and one_row(x)
             and w.size <= STRENGTH_REDUCED_MAX):
         return jax.lax.platform_dependent(x, w, cuda=one_row_product, default=dot)
     return dot(x, w)

@@ -62,8 +62,8 @@ def _norm_rope(q, q_swap, q_norm, q_norm_swap, cos, sin, eps):
 
 
 def _piece(split, first, last, *, num_splits: int, block_k: int, fixed_chunk: int | None):
-    """[lo, hi): the entries of kv_indices that piece `split` (a scalar or an iota) of a row walks, given the row's live
-    span [first, last); lo >= hi: an empty piece."""
+    """[lo, hi): the entries of kv_indices that piece `split` of a row walks, given the row's live span [first, last);
+    lo >= hi: an empty piece."""
     if fixed_chunk is None:  # pieces follow the live span: few keys, many programs
         chunk = pl.cdiv(pl.cdiv(last - first, num_splits), block_k) * block_k
         lo = first + split * chunk
@@ -116,9 +116,7 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     first = span_ref[b, 0]
     last = span_ref[b, 1]
     kv_start = kv_start_ref[b]
-    piece = functools.partial(_piece, first=first, last=last, num_splits=num_splits, block_k=block_k,
-                              fixed_chunk=fixed_chunk)
-    lo, hi = piece(split)
+    lo, hi = _piece(split, first, last, num_splits=num_splits, block_k=block_k, fixed_chunk=fixed_chunk)
     num_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
 
     if rope_eps is not None:

@@ -94,6 +94,8 @@
 # session 38 (issue #14, H100): s38-gelu (the one-row PLE gate's exp-form gelu against the tanh form, GPU tests of
 # test_model and test_draft_layer first), s38-tiling (XLA's exhaustive GEMM tiling search: the same kernels), both
 # traced inline (BENCHMARKS.md session 38 has the commands). Next: goal-rows, s35-pinned-ab, s30-nodes on an H200.
+# session 39 (issue #14): the GPU lane's test_paged + test_rounds (greedy, paged) with session 38's change, inline;
+# s39-rows (the split attention storing and merging only the real query rows' partials, against the tree before).
 # Session 37 removed six switches that measured slower (JAXSPEC_ATTN_MERGED, JAXSPEC_ATTN_PREFETCH, JAXSPEC_GEMV,
 # JAXSPEC_SPLIT_PRODUCTS, JAXSPEC_LAYER_PRODUCTS, JAXSPEC_PIN_OUTPUT) with their code and diagnoses: the recipes above
 # that use them need commit a536233's tree.
@@ -766,6 +768,35 @@ s38-gelu)  # issue #14: the one-row PLE gate's gelu written x / (1 + exp(-2u)) (
     cat /tmp/gelu-$i.log >> "$OUT/gelu.log"
     echo "== $v run $i (${SECONDS}s): $(grep -hE '^step of|Error' /tmp/gelu-$i.log | tr '\n' ' ')"; done
   cp /tmp/gelu-new/*.py jaxspec/model/ ;;
+s39-rows)  # issue #14: the split attention kernel stores, and its merge reads, only the real query rows' fp32 partials
+  # (a bs-1 decode step: 4 of 16 rows), the merge in about one program per SM (`merge_block_d`), against the tree before
+  # (carry .before/paged_attention.py and .before/cache.py: `git show <before>:jaxspec/{pallas/paged_attention,
+  # paged_kv/cache}.py`). ROWS_LANE=1 (default) first runs the GPU tests of ROWS_TESTS (default test_kernels,
+  # test_draft_layer and test_paged; Triton, -n 8; xdist from .whl/); then ROWS_STEPS (default "decode verify": bs 1, E4B, 4K) traced, one
+  # process a run, in ROWS_SEQ's order (default "new old new old"): kernels and launches a step from `bench trace`
+  for f in paged_attention.py cache.py; do [ -f .before/$f ] || { echo "carry .before/$f"; exit 2; }; done
+  if [[ ${ROWS_LANE:-1} == 1 ]]; then
+    need_xdist
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider --tb=short \
+      -rfE -n ${WORKERS:-8} --dist loadgroup ${ROWS_TESTS:-tests/test_kernels.py tests/test_draft_layer.py \
+      tests/test_paged.py} > "$OUT/tests-rows.txt" 2>&1
+    grep -E "(passed|failed).* in |^FAILED|^ERROR" "$OUT/tests-rows.txt" | tail -12; fi
+  mkdir -p /tmp/rows-new && cp jaxspec/pallas/paged_attention.py jaxspec/paged_kv/cache.py /tmp/rows-new/; i=0
+  for v in ${ROWS_SEQ:-new old new old}; do i=$((i + 1))
+    [ $SECONDS -lt ${ROWS_BUDGET:-480} ] || { echo "== time: stopped before run $i"; break; }
+    if [[ $v == old ]]; then cp .before/paged_attention.py jaxspec/pallas/; cp .before/cache.py jaxspec/paged_kv/
+      tag=old-experiment; else cp /tmp/rows-new/paged_attention.py jaxspec/pallas/; cp /tmp/rows-new/cache.py \
+      jaxspec/paged_kv/; tag=new; fi
+    for step in ${ROWS_STEPS:-decode verify}; do
+      args="--bs 1"; [[ $step == decode ]] && args="--bs 1 --cache paged"; rm -rf /tmp/rows-prof
+      XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${ROWS_TIMEOUT:-150} python3 -m jaxspec.bench \
+        $step $args --profile-dir /tmp/rows-prof --json /tmp/rows-$step-$i.json > /tmp/rows-$step-$i.log 2>&1
+      timeout 90 python3 -m jaxspec.bench trace /tmp/rows-prof --rounds 20 --top 40 \
+        --json "$OUT/trace-$step-rows-$tag-run$i.json" >> /tmp/rows-$step-$i.log 2>&1
+      cat /tmp/rows-$step-$i.log >> "$OUT/rows.log"
+      echo "== $step $v run $i (${SECONDS}s): $(grep -hE '^(paged|step of)|all kernels|Error' /tmp/rows-$step-$i.log \
+        | head -4 | tr '\n' ' ')"; done; done
+  cp /tmp/rows-new/paged_attention.py jaxspec/pallas/; cp /tmp/rows-new/cache.py jaxspec/paged_kv/ ;;
 s38-tiling)  # issue #14: XLA's exhaustive GEMM tiling search (`--xla_gpu_exhaustive_tiling_search=true`: the autotuner
   # tries every Triton tiling, not its short list) against the default, one process a run, in TILING_SEQ's order
   # (default "1 0 1 0"; 1: the flag), for each step of TILING_STEPS (default "decode verify": bs 1, E4B, 4K). The MLP's

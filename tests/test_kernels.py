@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from jaxspec.pallas.kv_indices import gather_kv_indices, gather_kv_indices_ref
-from jaxspec.pallas.paged_attention import paged_attention, paged_attention_blocked, paged_attention_ref, query_rows
+from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_ref,
+                                            paged_attention_rows, query_rows, row_ranges)
 
 # The kernel modules silence this at import, but pytest resets warning filters for each test.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -172,6 +173,31 @@ def test_fixed_splits_match_reference(case):
     multiples of block_k, not following the live span, on the poisoned pools of the mixed batch: still the
     reference's attention."""
     assert_matches_reference(*ATTENTION_CASES[case], gather_q=True, fixed_splits=True)
+
+
+@pytest.mark.parametrize("real_rows", [None, "queries"], ids=["all-rows", "real-rows"])
+@pytest.mark.parametrize("splits", [1, 2], ids=["s1", "s2"])
+def test_row_layout_pads_with_zeros(splits, real_rows):
+    """`paged_attention_rows` on queries in the row layout (the drafter's fused step calls it so): Tq * G = 8 real
+    rows padded to 16, q's padding rows NaN. The real rows are the reference's attention, the padding rows exactly 0,
+    whether the kernels are told which rows are real (`real_rows`: their partials neither stored nor merged) or not."""
+    g, tq, d, dtype, window, cached, _ = ATTENTION_CASES[1]
+    rng = np.random.default_rng(2)
+    batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=True)
+    x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
+    B, rows = x.q.shape[0], tq * g
+    block_q, padded = query_rows(tq, g, d)
+    assert padded > rows
+    q_rows = x.q.reshape(B, tq, 2, g, d).transpose(0, 2, 1, 3, 4).reshape(B, 2, rows, d)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded - rows), (0, 0)), constant_values=jnp.nan)
+    masks = row_ranges(batch.starts, batch.q_lo, batch.q_hi, g, padded, x.indices.shape[1])
+    got = paged_attention_rows(q_rows, x.k_bad, x.v_bad, x.indices, batch.starts, *masks, scale=0.3, block_k=16,
+                               block_q=block_q, num_splits=splits, real_rows=rows if real_rows else None)
+    got = np.asarray(got)
+    np.testing.assert_array_equal(got[:, :, rows:], 0.0)
+    want = np.asarray(paged_attention_ref(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3))
+    want = want.reshape(B, tq, 2, g, d).transpose(0, 2, 1, 3, 4).reshape(B, 2, rows, d)
+    np.testing.assert_allclose(got[:, :, :rows], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 40], ids=["full", "sliding"])

@@ -211,6 +211,6 @@ def draft_attend_rows(cfg: TargetConfig, text: TargetConfig, meta: dict):
             masks[t, G, rows] = row_ranges(m.kv_start, m.q_lo, m.q_hi, G, rows, m.read.shape[1])
         row_lo, row_hi, span = masks[t, G, rows]
         return paged_attention_rows(q, kv[t].k, kv[t].v, m.read, m.kv_start, row_lo, row_hi, span, layer=store[t],
-                                    block_q=block_q, rope=rope)
+                                    block_q=block_q, rope=rope, real_rows=G)
 
     return attend_rows

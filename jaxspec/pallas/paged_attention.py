@@ -73,7 +73,7 @@ def _piece(split, first, last, *, num_splits: int, block_k: int, fixed_chunk: in
 
 
 def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer: int | None, rope_eps=None,
-                      gather_q=None, fixed_chunk: int | None = None):
+                      gather_q=None, fixed_chunk: int | None = None, real_rows: int | None = None):
     """Program (b, h, row_block, split): unnormalised attention of one query block over one piece of live keys
     (num_splits == 1: the normalised output, in o_ref's dtype; a row that saw no key gets 0).
 
@@ -90,6 +90,8 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     With fixed_chunk (keys, a multiple of block_k), split s walks entries [s * fixed_chunk, (s + 1) * fixed_chunk)
     of kv_indices in blocks that start at multiples of block_k, whatever the live span: which keys a program and a
     block hold, and so a row's sums, do not depend on the other rows of the call (batch invariance).
+    With real_rows (the query rows per kv head that are not padding of the power-of-two block, Tq * G), the partials
+    of rows past it are not stored (`_real_rows`): the merge does not read them either.
     (Two other forms were measured on the H200 and removed in session 37, commit a536233 has them: the splits merged
     in this kernel by the last program of a query block to finish, after an atomic count, E4B's verify step 15%
     slower, session 15; the key walk software-pipelined by hand, no walk faster and long ones up to 19% slower,
@@ -174,7 +176,11 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
             _store_rows(o_ref, b, r, own, lax.iota(jnp.int32, head_dim), out)
         return
     m_ref, l_ref = ml_refs
-    o_ref[...] = acc
+    real = _real_rows(real_rows, block_q)
+    if real is None:
+        o_ref[...] = acc
+    else:
+        pltriton.store(o_ref, acc, mask=jnp.broadcast_to(real[:, None], acc.shape))
     m_ref[...] = m
     l_ref[...] = l
 
@@ -210,17 +216,31 @@ def _store_rows(ref, b, rows, own, cols, value):
                    mask=jnp.broadcast_to(own[:, None], shape))
 
 
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, gather_q=None):
+def _real_rows(real_rows: int | None, block_q: int):
+    """bool[block_q]: which rows of program (., ., row_block, .)'s query block are real (r < real_rows), or None when
+    every row is. A decode step's Tq * G rows fill few of the block's rows (E4B: 4 of 16): their partials are all a
+    split kernel stores and all its merge reads (the padding rows' fp32 partials were 3/4 of those bytes)."""
+    if real_rows is None:
+        return None
+    return pl.program_id(2) * block_q + lax.iota(jnp.int32, block_q) < real_rows
+
+
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, gather_q=None, real_rows: int | None = None):
     """Program (b, h, row_block, d_block): log-sum-exp merge of the splits' partials, all splits at once in registers
     (no loop: a loop over splits would pay one global-load latency per split). A split that saw no key has m = -inf
     and weight 0; a row that no split saw comes out as 0.
 
     o_ref: fp32[S, block_q, block_d]; m_ref, l_ref: fp32[S, block_q]; out_ref: [block_q, block_d] in the output dtype,
     or with gather_q (`_own_rows`) the whole output [Bq, Tq * NH, D] in q's layout, written at this program's rows
-    and columns.
+    and columns. With real_rows (`_attention_kernel`'s), rows past it are read as 0 (never stored: not read).
     """
     w, denom = _merge_weights(m_ref[...], l_ref[...])  # [S, block_q], [block_q]
-    acc = jnp.sum(w[:, :, None] * o_ref[...], axis=0)  # [block_q, block_d]
+    real = _real_rows(real_rows, m_ref.shape[1])
+    if real is None:
+        o = o_ref[...]
+    else:
+        o = pltriton.load(o_ref, mask=jnp.broadcast_to(real[None, :, None], o_ref.shape), other=0.0)
+    acc = jnp.sum(w[:, :, None] * o, axis=0)  # [block_q, block_d]
     out = (acc / denom[:, None]).astype(out_ref.dtype)
     if gather_q is None:
         out_ref[...] = out
@@ -257,6 +277,15 @@ def default_splits(rows: int, kv_heads: int, row_blocks: int, width: int, block_
     runs programs one after another: there `paged_attention_rows` takes a couple of pieces.)"""
     per_row = _next_pow2(max(1, 264 // (rows * kv_heads * row_blocks)))
     return max(1, min(64, per_row, _next_pow2(pl.cdiv(width, block_k))))
+
+
+def merge_block_d(head_dim: int, num_splits: int, block_q: int, tiles: int) -> int:
+    """Columns of the output per merge program: all splits of a [block_q, block_d] tile in at most 16K fp32
+    registers' worth, and cut further (to 16 columns at least) until the `tiles` query blocks' columns make about
+    one program per SM of an H200 (132): a bs-1 decode step's merge has 2 query blocks, and 8 programs of 64 columns
+    read its partials at a few SMs' share of the bandwidth."""
+    block_d = max(1, min(head_dim, 16384 // (num_splits * block_q)))
+    return min(block_d, max(min(16, head_dim), head_dim // _next_pow2(pl.cdiv(132, tiles))))
 
 
 def row_ranges(kv_start, q_lo, q_hi, group: int, padded_rows: int, width: int):
@@ -318,7 +347,8 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     out = paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, scale=scale,
                                layer=layer, block_k=block_k, block_q=block_q, num_splits=num_splits,
                                num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-                               gather_q=(rows, NH, G) if gather_q else None, fixed_splits=fixed_splits)
+                               gather_q=(rows, NH, G) if gather_q else None, fixed_splits=fixed_splits,
+                               real_rows=rows)
     if gather_q:  # written in q's layout: no un-padding copy after the call either
         out = out.reshape(B, Tq, NH, D)
     else:
@@ -329,7 +359,8 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
 def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, *, scale: float = 1.0,
                          layer: int | None = None, block_k: int | None = None, block_q: int | None = None,
                          num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                         interpret: bool | None = None, rope=None, gather_q=None, fixed_splits: bool = False):
+                         interpret: bool | None = None, rope=None, gather_q=None, fixed_splits: bool = False,
+                         real_rows: int | None = None):
     """`paged_attention` on queries already in the row layout (`query_rows`, `row_ranges`): q_rows [Bq, KVH, R, D],
     row_lo / row_hi int32[B, R], span int32[B, 2], B <= Bq: the first B rows are attended (more query rows may be
     padding of their producer; those output rows are left unwritten). Returns [Bq, KVH, R, D] in q_rows.dtype
@@ -341,7 +372,10 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     gather_q: (Tq * G, NH, G) when q_rows is the queries as they are, [Bq, Tq * NH, D] (`paged_attention`'s
     gather_q); the kernel gathers each program's rows, and the result comes back in that layout too,
     [Bq, Tq * NH, D] (the last kernel stores each row where its query sits; padding rows store nothing).
-    fixed_splits: `paged_attention`'s."""
+    fixed_splits: `paged_attention`'s.
+    real_rows: how many of the R rows are queries (Tq * G; the rest pad the block to a power of two; default: all,
+    or gather_q's Tq * G): with several splits only those rows' partials are stored and merged. A padding row's
+    output is 0 either way."""
     if gather_q is None:
         Bq, KVH, padded_rows, D = q_rows.shape
     else:
@@ -372,8 +406,13 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     num_splits = _next_pow2(num_splits)  # the merge kernel holds the splits in one power-of-two block
 
     fixed_chunk = pl.cdiv(pl.cdiv(width, num_splits), block_k) * block_k if fixed_splits else None
+    if gather_q is not None:
+        real_rows = gather_q[0]
+    if real_rows is not None and real_rows >= padded_rows:
+        real_rows = None  # no padding: no masks
     kernel = functools.partial(_attention_kernel, scale=scale, block_k=block_k, num_splits=num_splits, layer=layer,
-                               rope_eps=None if rope is None else rope[5], gather_q=gather_q, fixed_chunk=fixed_chunk)
+                               rope_eps=None if rope is None else rope[5], gather_q=gather_q, fixed_chunk=fixed_chunk,
+                               real_rows=real_rows)
 
     def whole(shape):  # read by slot or row index inside the kernel
         return pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))
@@ -433,11 +472,10 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
         interpret=interpret,
         name="paged_attention",
     )(*args)
-    # block_d: all splits of a [block_q, block_d] tile in at most 16K fp32 registers' worth
-    block_d = max(1, min(D, 16384 // (num_splits * block_q)))
+    block_d = merge_block_d(D, num_splits, block_q, B * KVH * row_blocks)
     split_rows = pl.BlockSpec((None, None, num_splits, block_q), lambda b, h, r, d: (b, h, 0, r))
     return pl.pallas_call(
-        functools.partial(_merge_kernel, gather_q=gather_q),
+        functools.partial(_merge_kernel, gather_q=gather_q, real_rows=real_rows),
         grid=(B, KVH, row_blocks, D // block_d),
         in_specs=[pl.BlockSpec((None, None, num_splits, block_q, block_d), lambda b, h, r, d: (b, h, 0, r, d)),
                   split_rows, split_rows],

@@ -282,8 +282,8 @@ def default_splits(rows: int, kv_heads: int, row_blocks: int, width: int, block_
 def merge_block_d(head_dim: int, num_splits: int, block_q: int, tiles: int) -> int:
     """Columns of the output per merge program: all splits of a [block_q, block_d] tile in at most 16K fp32
     registers' worth, and cut further (to 16 columns at least) until the `tiles` query blocks' columns make about
-    one program per SM of an H200 (132): a bs-1 decode step's merge has 2 query blocks, and 8 programs of 64 columns
-    read its partials at a few SMs' share of the bandwidth."""
+    one program per SM of an H200 (132): a bs-1 decode step's merge has 2 query blocks (E4B), and a sliding layer's
+    (32 splits) took 16 programs of 32 columns, reading its partials at a few SMs' share of the bandwidth."""
     block_d = max(1, min(head_dim, 16384 // (num_splits * block_q)))
     return min(block_d, max(min(16, head_dim), head_dim // _next_pow2(pl.cdiv(132, tiles))))
 

@@ -5,16 +5,22 @@ One jitted program applies `paged_attention_rows` L times in a chain (each layer
 the launches run one after another inside one graph, as in a decode step), for each piece count of --splits (0: the
 default rule, `default_splits`; 1: one kernel, nothing to merge). Reported: µs a layer per (width, live keys,
 queries), and the largest difference from the one-piece output. Shapes: head_dim 256, one kv head, four query heads
-(Gemma 3 270M and its drafter), one row. (Until session 37 it also ran the merge inside the attention kernel and the
-pipelined key walk, since removed: commit a536233 has them.)
+(Gemma 3 270M and its drafter), one row; --head-dim / --kv-heads / --group for others (E4B's global layers: 512, 2,
+4). --tunings adds the default piece count with other kernel knobs (block_k, num_warps, num_stages), --real-rows the
+default with only the real query rows' partials stored and merged (`paged_attention_rows(real_rows=...)`) against
+all of them, in one process. (Until session 37 it also ran the merge inside the attention kernel and the pipelined
+key walk, since removed: commit a536233 has them.)
 
     python bench/diag_splits.py --splits 1,2,4,8,16,0 --json OUT.json
+    python bench/diag_splits.py --head-dim 512 --kv-heads 2 --cases 4096:4096 --tq 1,4 --splits 0 --real-rows \
+        --tunings bk16w4st1,bk32w4st1,bk16w8st2 --json OUT.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -23,9 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.pallas.paged_attention import default_splits, paged_attention_rows, query_rows, row_ranges
-
-D, KVH, G = 256, 1, 4
-
 
 def median_us(run, inputs, iters: int) -> float:
     """Median wall time of a call in µs, the result waited for."""
@@ -37,14 +40,28 @@ def median_us(run, inputs, iters: int) -> float:
     return float(np.median(times)) * 1e6
 
 
-def chain(layers: int, num_splits, block_k: int | None = None):
+def chain(layers: int, num_splits, **kw):
+    """kw: `paged_attention_rows`' knobs (block_k, num_warps, num_stages, real_rows)."""
     @jax.jit
     def run(q_rows, k, v, idx, kv_start, row_lo, row_hi, span):
         for _ in range(layers):
-            q_rows = paged_attention_rows(q_rows, k, v, idx, kv_start, row_lo, row_hi, span, scale=D ** -0.5,
-                                          num_splits=num_splits, block_k=block_k)  # one Triton compile for every layer
+            q_rows = paged_attention_rows(q_rows, k, v, idx, kv_start, row_lo, row_hi, span,
+                                          scale=q_rows.shape[-1] ** -0.5, num_splits=num_splits,
+                                          **kw)  # one Triton compile for every layer
         return q_rows
     return run
+
+
+def tunings(text: str) -> list[dict]:
+    """Kernel knobs, e.g. bk16w4st1,bk32w8st2 (block_k, num_warps, num_stages); "" for none."""
+    out = []
+    for token in filter(None, text.split(",")):
+        m = re.fullmatch(r"bk(\d+)w(\d+)st(\d+)", token)
+        if m is None:
+            raise argparse.ArgumentTypeError(f"expected tokens like bk16w4st1 (block_k, num_warps, num_stages), got "
+                                             f"{token!r}")
+        out.append(dict(block_k=int(m[1]), num_warps=int(m[2]), num_stages=int(m[3])))
+    return out
 
 
 def cases(text: str) -> list[tuple[int, int]]:
@@ -95,8 +112,16 @@ def main(argv=None):
     p.add_argument("--splits", type=counts, default="1,0", help="piece counts, a column each (0: the default rule)")
     p.add_argument("--wide-splits", type=counts, default="", help="piece counts also run with 64-key blocks (the default for "
                    "head_dim 256 is 32), with the merge kernel")
+    p.add_argument("--tunings", type=tunings, default="", help="the default piece count with other kernel knobs, a "
+                   "column each: bk<block_k>w<num_warps>st<num_stages>, e.g. bk16w4st1,bk32w8st2")
+    p.add_argument("--real-rows", action="store_true", help="also the default piece count with only the real query "
+                   "rows' partials stored and merged (real_rows = tq x group); the other columns store every row's")
+    p.add_argument("--head-dim", type=positive, default=256)
+    p.add_argument("--kv-heads", type=positive, default=1)
+    p.add_argument("--group", type=positive, default=4, help="query heads a kv head")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    D, KVH, G = args.head_dim, args.kv_heads, args.group
     rng = np.random.default_rng(0)
     key = jax.random.PRNGKey(0)
     slots = 8192
@@ -114,10 +139,14 @@ def main(argv=None):
             q = jax.random.normal(jax.random.fold_in(key, 2), (1, KVH, padded, D), jnp.bfloat16)
             inputs = (q, k, v, idx, kv_start, row_lo, row_hi, span)
             default = default_splits(1, KVH, padded // block_q, width, 64 if D <= 128 else 32)
-            row = {"width": width, "live": live, "tq": tq, "layers": args.layers, "default_splits": default}
+            row = {"width": width, "live": live, "tq": tq, "layers": args.layers, "default_splits": default,
+                   "head_dim": D, "kv_heads": KVH, "group": G}
             ref = np.asarray(chain(args.layers, 1)(*inputs), np.float32)
             variants = [(x, {}, "kernel") for x in args.splits]
             variants += [(x, dict(block_k=64), "bk64_kernel") for x in args.wide_splits]
+            variants += [(0, kw, "bk{block_k}w{num_warps}st{num_stages}_kernel".format(**kw)) for kw in args.tunings]
+            if args.real_rows:
+                variants.append((0, dict(real_rows=tq * G), "real_rows_kernel"))
             diff = 0.0
             for splits, kw, tag in variants:
                 run = chain(args.layers, splits or None, **kw)

@@ -95,7 +95,8 @@
 # test_model and test_draft_layer first), s38-tiling (XLA's exhaustive GEMM tiling search: the same kernels), both
 # traced inline (BENCHMARKS.md session 38 has the commands). Next: goal-rows, s35-pinned-ab, s30-nodes on an H200.
 # session 39 (issue #14): the GPU lane's test_paged + test_rounds (greedy, paged) with session 38's change, inline;
-# s39-rows (the split attention storing and merging only the real query rows' partials, against the tree before).
+# s39-rows (the split attention storing and merging only the real query rows' partials, against the tree before),
+# s39-attn (E4B's attention shapes in chains: the real-rows partials and other kernel knobs in one process).
 # Session 37 removed six switches that measured slower (JAXSPEC_ATTN_MERGED, JAXSPEC_ATTN_PREFETCH, JAXSPEC_GEMV,
 # JAXSPEC_SPLIT_PRODUCTS, JAXSPEC_LAYER_PRODUCTS, JAXSPEC_PIN_OUTPUT) with their code and diagnoses: the recipes above
 # that use them need commit a536233's tree.
@@ -797,6 +798,17 @@ s39-rows)  # issue #14: the split attention kernel stores, and its merge reads, 
       echo "== $step $v run $i (${SECONDS}s): $(grep -hE '^(paged|step of)|all kernels|Error' /tmp/rows-$step-$i.log \
         | head -4 | tr '\n' ' ')"; done; done
   cp /tmp/rows-new/paged_attention.py jaxspec/pallas/; cp /tmp/rows-new/cache.py jaxspec/paged_kv/ ;;
+s39-attn)  # issue #14 (next): E4B's attention kernels one by one in chains of 16 layers (bench/diag_splits.py, one
+  # process a shape): the global layers' (head_dim 512, 2 kv heads, 4K live keys; 14.2 us for 16.8 MB on the H100 in
+  # session 37's trace, ~35% of HBM) and the sliding layers' (256, 640-wide table, 513 live keys), decode (tq 1) and
+  # verify (tq 4): the default kernel, only the real rows' partials (--real-rows, session 39), and ATTN_TUNINGS knobs
+  timeout ${ATTN_TIMEOUT:-250} python3 bench/diag_splits.py --head-dim 512 --kv-heads 2 --cases 4096:4096 --tq 1,4 \
+    --splits 0 --real-rows --tunings ${ATTN_TUNINGS_GLOBAL:-bk16w4st2,bk16w8st2,bk32w4st1,bk64w8st1} \
+    --json "$OUT/diag-attn-global.json" > "$OUT/diag-attn.log" 2>&1
+  timeout ${ATTN_TIMEOUT:-250} python3 bench/diag_splits.py --head-dim 256 --kv-heads 2 --cases 640:513 --tq 1,4 \
+    --splits 0 --real-rows --tunings ${ATTN_TUNINGS_SLIDING:-bk16w4st2,bk16w8st2,bk32w4st2,bk64w8st2} \
+    --json "$OUT/diag-attn-sliding.json" >> "$OUT/diag-attn.log" 2>&1
+  grep -E '^\{|Error|error:' "$OUT/diag-attn.log" | head -8 ;;
 s38-tiling)  # issue #14: XLA's exhaustive GEMM tiling search (`--xla_gpu_exhaustive_tiling_search=true`: the autotuner
   # tries every Triton tiling, not its short list) against the default, one process a run, in TILING_SEQ's order
   # (default "1 0 1 0"; 1: the flag), for each step of TILING_STEPS (default "decode verify": bs 1, E4B, 4K). The MLP's

@@ -384,18 +384,21 @@ def _diag_splits():
 
 
 def test_diag_splits_variants_equal_one_piece(tmp_path):
-    """bench/diag_splits.py (the piece-count diagnosis): every variant (pieces, 64-key blocks) gives the one-piece
-    kernel's output on its chain of layers, within bf16 rounding, and writes a column each."""
+    """bench/diag_splits.py (the piece-count diagnosis): every variant (pieces, 64-key blocks, other kernel knobs,
+    only the real rows' partials) gives the one-piece kernel's output on its chain of layers, within bf16 rounding,
+    and writes a column each."""
     path = tmp_path / "splits.json"
     _diag_splits().main(["--layers", "2", "--iters", "1", "--cases", "128:60", "--tq", "1", "--splits", "1,2",
-                         "--wide-splits", "2", "--json", str(path)])
+                         "--wide-splits", "2", "--tunings", "bk16w4st2", "--real-rows", "--kv-heads", "2",
+                         "--json", str(path)])
     (row,) = json.loads(path.read_text())["rows"]
     assert {k for k in row if k.endswith("_us_per_layer")} == {
-        "s1_kernel_us_per_layer", "s2_kernel_us_per_layer", "s2_bk64_kernel_us_per_layer"}
+        "s1_kernel_us_per_layer", "s2_kernel_us_per_layer", "s2_bk64_kernel_us_per_layer",
+        "sdefault_bk16w4st2_kernel_us_per_layer", "sdefault_real_rows_kernel_us_per_layer"}
     assert row["max_abs_diff"] < 0.05  # bf16 values of order 1 after two layers
 
 
-@pytest.mark.parametrize("argv", [["--splits", "1,-2"], ["--wide-splits", "x"]])
+@pytest.mark.parametrize("argv", [["--splits", "1,-2"], ["--wide-splits", "x"], ["--tunings", "bk16"]])
 def test_diag_splits_bad_lists_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         _diag_splits().main(argv)

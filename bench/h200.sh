@@ -159,6 +159,15 @@ need_xdist() {  # pytest-xdist for `-n`: installed, or from the wheels carried i
     || { mkdir -p /tmp/xd && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/xd; done; export PYTHONPATH=.:/tmp/xd; }
 }
 
+ab_save() {  # the working tree's versions of these repo files, kept for ab_use (an A/B against .before/ copies)
+  rm -rf /tmp/ab-new && mkdir -p /tmp/ab-new && cp "$@" /tmp/ab-new/
+}
+
+ab_use() {  # $1 new or old, the rest repo files: each from ab_save's copy (new) or from .before/<its name> (old)
+  local v=$1 f; shift
+  for f in "$@"; do cp "$([[ $v == old ]] && echo .before || echo /tmp/ab-new)/$(basename "$f")" "$f"; done
+}
+
 warm() {  # $1 a log tag, the rest a bench subcommand and its flags: one --iters 1 run that fills the persistent compile
   # cache, memory not preallocated and held to WARM_MEM of the GPU (default 14%: several run side by side; session 26
   # saw six unbounded ones run the GPU out of memory); its own figures are not results (JSON under /tmp)
@@ -759,16 +768,15 @@ s38-gelu)  # issue #14: the one-row PLE gate's gelu written x / (1 + exp(-2u)) (
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-240} python3 -m pytest -v -p no:cacheprovider --tb=short \
       -rfE -n ${WORKERS:-8} --dist loadgroup tests/test_model.py tests/test_draft_layer.py > "$OUT/tests-gelu.txt" 2>&1
     grep -E "(passed|failed).* in |^FAILED|^ERROR" "$OUT/tests-gelu.txt" | tail -12; fi
-  mkdir -p /tmp/gelu-new && cp jaxspec/model/layers.py jaxspec/model/gemma4.py /tmp/gelu-new/; i=0
+  files="jaxspec/model/layers.py jaxspec/model/gemma4.py"; ab_save $files; i=0
   for v in ${GELU_SEQ:-new old new old}; do i=$((i + 1))
     [ $SECONDS -lt ${GELU_BUDGET:-500} ] || { echo "== time: stopped before run $i"; break; }
-    if [[ $v == old ]]; then cp .before/layers.py .before/gemma4.py jaxspec/model/; tag=old-experiment; else
-      cp /tmp/gelu-new/*.py jaxspec/model/; tag=new; fi
+    ab_use $v $files; tag=$([[ $v == old ]] && echo old-experiment || echo new)
     timeout ${DECODE_TIMEOUT:-150} python3 -m jaxspec.bench decode --bs 1 --cache paged \
       --json "$OUT/decode-gelu-$tag-run$i.json" > /tmp/gelu-$i.log 2>&1
     cat /tmp/gelu-$i.log >> "$OUT/gelu.log"
     echo "== $v run $i (${SECONDS}s): $(grep -hE '^step of|Error' /tmp/gelu-$i.log | tr '\n' ' ')"; done
-  cp /tmp/gelu-new/*.py jaxspec/model/ ;;
+  ab_use new $files ;;
 s39-rows)  # issue #14: the split attention kernel stores, and its merge reads, only the real query rows' fp32 partials
   # (a bs-1 decode step: 4 of 16 rows), the merge in about one program per SM (`merge_block_d`), against the tree before
   # (carry .before/paged_attention.py and .before/cache.py: `git show <before>:jaxspec/{pallas/paged_attention,
@@ -782,12 +790,10 @@ s39-rows)  # issue #14: the split attention kernel stores, and its merge reads, 
       -rfE -n ${WORKERS:-8} --dist loadgroup ${ROWS_TESTS:-tests/test_kernels.py tests/test_draft_layer.py \
       tests/test_paged.py} > "$OUT/tests-rows.txt" 2>&1
     grep -E "(passed|failed).* in |^FAILED|^ERROR" "$OUT/tests-rows.txt" | tail -12; fi
-  mkdir -p /tmp/rows-new && cp jaxspec/pallas/paged_attention.py jaxspec/paged_kv/cache.py /tmp/rows-new/; i=0
+  files="jaxspec/pallas/paged_attention.py jaxspec/paged_kv/cache.py"; ab_save $files; i=0
   for v in ${ROWS_SEQ:-new old new old}; do i=$((i + 1))
     [ $SECONDS -lt ${ROWS_BUDGET:-480} ] || { echo "== time: stopped before run $i"; break; }
-    if [[ $v == old ]]; then cp .before/paged_attention.py jaxspec/pallas/; cp .before/cache.py jaxspec/paged_kv/
-      tag=old-experiment; else cp /tmp/rows-new/paged_attention.py jaxspec/pallas/; cp /tmp/rows-new/cache.py \
-      jaxspec/paged_kv/; tag=new; fi
+    ab_use $v $files; tag=$([[ $v == old ]] && echo old-experiment || echo new)
     for step in ${ROWS_STEPS:-decode verify}; do
       args="--bs 1"; [[ $step == decode ]] && args="--bs 1 --cache paged"; rm -rf /tmp/rows-prof
       XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${ROWS_TIMEOUT:-150} python3 -m jaxspec.bench \
@@ -797,7 +803,7 @@ s39-rows)  # issue #14: the split attention kernel stores, and its merge reads, 
       cat /tmp/rows-$step-$i.log >> "$OUT/rows.log"
       echo "== $step $v run $i (${SECONDS}s): $(grep -hE '^(paged|step of)|all kernels|Error' /tmp/rows-$step-$i.log \
         | head -4 | tr '\n' ' ')"; done; done
-  cp /tmp/rows-new/paged_attention.py jaxspec/pallas/; cp /tmp/rows-new/cache.py jaxspec/paged_kv/ ;;
+  ab_use new $files ;;
 s39-attn)  # issue #14 (next): E4B's attention kernels one by one in chains of 16 layers (bench/diag_splits.py, one
   # process a shape): the global layers' (head_dim 512, 2 kv heads, 4K live keys; 14.2 us for 16.8 MB on the H100 in
   # session 37's trace, ~35% of HBM) and the sliding layers' (256, 640-wide table, 513 live keys), decode (tq 1) and

@@ -194,12 +194,24 @@ def _merge_weights(m, l):
     return w, jnp.where(denom > 0, denom, 1.0)
 
 
+def _block_rows(block_q: int):
+    """int32[block_q]: the layout rows of program (., ., row_block, .)'s query block (its kernel's and its merge's)."""
+    return pl.program_id(2) * block_q + lax.iota(jnp.int32, block_q)
+
+
+def _real_rows(real_rows: int | None, block_q: int):
+    """bool[block_q]: which rows of the program's query block are real (r < real_rows), or None when every row is.
+    A decode step's Tq * G rows fill few of the block's rows (E4B: 4 of 16): their partials are all a split kernel
+    stores and all its merge reads (the padding rows' fp32 partials were 3/4 of those bytes)."""
+    return None if real_rows is None else _block_rows(block_q) < real_rows
+
+
 def _own_rows(gather_q, h, block_q: int):
     """q's own layout [Bq, Tq * NH, D] (`gather_q` = (rows, NH, G)): the q rows of program (., h, row_block, .)'s
-    block_q layout rows r = t * G + g (query t, head h * G + g), and which of them are real (r < rows); padding rows
-    re-read the last real row."""
+    block_q layout rows r = t * G + g (query t, head h * G + g), and which of them are real (`_real_rows`); padding
+    rows re-read the last real row."""
     rows, num_heads, group = gather_q
-    r = pl.program_id(2) * block_q + lax.iota(jnp.int32, block_q)
+    r = _block_rows(block_q)
     own = r < rows
     r = jnp.minimum(r, rows - 1)
     return (r // group) * num_heads + h * group + r % group, own
@@ -214,15 +226,6 @@ def _store_rows(ref, b, rows, own, cols, value):
     rows = jnp.where(own, rows, ref.shape[1])
     pltriton.store(ref.at[b, jnp.broadcast_to(rows[:, None], shape), jnp.broadcast_to(cols[None, :], shape)], value,
                    mask=jnp.broadcast_to(own[:, None], shape))
-
-
-def _real_rows(real_rows: int | None, block_q: int):
-    """bool[block_q]: which rows of program (., ., row_block, .)'s query block are real (r < real_rows), or None when
-    every row is. A decode step's Tq * G rows fill few of the block's rows (E4B: 4 of 16): their partials are all a
-    split kernel stores and all its merge reads (the padding rows' fp32 partials were 3/4 of those bytes)."""
-    if real_rows is None:
-        return None
-    return pl.program_id(2) * block_q + lax.iota(jnp.int32, block_q) < real_rows
 
 
 def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, gather_q=None, real_rows: int | None = None):

@@ -796,7 +796,7 @@ s39-rows)  # issue #14: the split attention kernel stores, and its merge reads, 
     ab_use $v $files; tag=$([[ $v == old ]] && echo old-experiment || echo new)
     for step in ${ROWS_STEPS:-decode verify}; do
       args="--bs 1"; [[ $step == decode ]] && args="--bs 1 --cache paged"; rm -rf /tmp/rows-prof
-      [[ $step == propose ]] && args="--bs 1 --ctx 4096 --variants bucketed"
+      [[ $step == propose ]] && args="--bs ${ROWS_BS:-1} --ctx 4096 --variants bucketed"
       XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${ROWS_TIMEOUT:-150} python3 -m jaxspec.bench \
         $step $args --profile-dir /tmp/rows-prof --json /tmp/rows-$step-$i.json > /tmp/rows-$step-$i.log 2>&1
       timeout 90 python3 -m jaxspec.bench trace /tmp/rows-prof --rounds 20 --top 40 \

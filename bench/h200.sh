@@ -512,9 +512,11 @@ s10-launch)  # issues #14/#17: the host's cost per call of an N-kernel program a
       --json "$OUT/propose-$i.json" > "$OUT/propose-$i.log" 2>&1; echo "== $f"; grep -A3 "^ctx  bs" "$OUT/propose-$i.log"
     grep "Error" "$OUT/propose-$i.log" | head -3; done ;;
 s10-propose)  # issues #14/#17: the bs-1 propose, E4B drafter, k 3, 4K: this tree against the one before the donated
-  # outputs (.before, carried: `git archive` of that commit's jaxspec/), side by side, the new one traced
+  # outputs (.before, carried: `git archive` of that commit's jaxspec/), side by side, the new one traced. (`python3 -P`:
+  # `-m` puts the working directory first on sys.path, ahead of PYTHONPATH, so until session 40 the "before" runs of
+  # s10-propose and s10-ab270 imported this tree's jaxspec too)
   for t in before now; do pp=$([ $t = before ] && echo .before || echo .)
-    PYTHONPATH=$pp XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout 200 python3 -m jaxspec.bench \
+    PYTHONPATH=$pp XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout 200 python3 -P -m jaxspec.bench \
       propose --bs ${PBS:-1,16} --ctx 4096 --variants bucketed $([ $t = now ] && echo --profile-dir /tmp/pp) \
       --json "$OUT/propose-$t.json" > "$OUT/propose-$t.log" 2>&1
     echo "== $t"; grep -A4 "^ctx  bs" "$OUT/propose-$t.log"; grep "Error" "$OUT/propose-$t.log" | head -3; done
@@ -524,7 +526,7 @@ s10-ab270)  # issue #17: the default pair at bs 1 (s7-convert first), this tree 
   # and 16 (overlap on) side by side in one call; then this tree's R-1 rows traced
   A=$(python3 -c "from jaxspec.model.packed import bundled_assistant_dir; print(bundled_assistant_dir())")
   for t in before now; do pp=$([ $t = before ] && echo .before || echo .)
-    PYTHONPATH=$pp timeout ${AB_TIMEOUT:-240} python3 -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$A" \
+    PYTHONPATH=$pp timeout ${AB_TIMEOUT:-240} python3 -P -m jaxspec.bench e2e --model /root/gemma-3-270m --assistant "$A" \
       --prompts bench/prompts/270m-heldout.jsonl --bs 1 --requests 16 --new-tokens 128 --modes off,bucketed -k 4 \
       --rounds-per-call ${RS:-1,16} --overlap on --json "$OUT/e2e-270m-$t.json" > "$OUT/e2e-270m-$t.log" 2>&1
     echo "== $t"; grep "^e2e bs\|Error" "$OUT/e2e-270m-$t.log" | head -8; done ;;
@@ -831,6 +833,20 @@ s38-tiling)  # issue #14: XLA's exhaustive GEMM tiling search (`--xla_gpu_exhaus
       cat /tmp/tiling-$step-$i.log >> "$OUT/tiling.log"
       echo "== $step exhaustive=$v run $i (${SECONDS}s): $(grep -hE '^(paged|step of)|Error' /tmp/tiling-$step-$i.log \
         | tr '\n' ' ')"; done; done ;;
+s40-since29)  # issue #14: E4B's bs-1 decode and verify steps (4K) with this tree against session 29's (8320756, the
+  # tree of the H200 goal rows until session 40: `git archive 8320756 jaxspec | tar -x -C .before/s29`, carried), one
+  # process a run in SINCE_SEQ's order (default "new old new old"): sessions 30-39 were timed on H100s only
+  [ -f .before/s29/jaxspec/__init__.py ] || { echo "carry .before/s29/jaxspec"; exit 2; }
+  i=0; for v in ${SINCE_SEQ:-new old new old}; do i=$((i + 1))
+    [ $SECONDS -lt ${SINCE_BUDGET:-450} ] || { echo "== time: stopped before run $i"; break; }
+    pp=$([[ $v == old ]] && echo .before/s29 || echo .)
+    for step in ${SINCE_STEPS:-decode verify}; do
+      args="--bs 1"; [[ $step == decode ]] && args="--bs 1 --cache paged"
+      PYTHONPATH=$pp timeout ${SINCE_TIMEOUT:-200} python3 -P -m jaxspec.bench $step $args \
+        --json "$OUT/$step-since29-$v-run$i.json" > /tmp/since-$step-$i.log 2>&1
+      cat /tmp/since-$step-$i.log >> "$OUT/since29.log"
+      echo "== $step $v run $i (${SECONDS}s, $(PYTHONPATH=$pp python3 -P -c 'import jaxspec; print(jaxspec.__file__)')):" \
+        "$(grep -hE '^step of|Error' /tmp/since-$step-$i.log | tr '\n' ' ')"; done; done ;;
 goal-rows)  # issue #14: every goal row of the target's and the drafter's steps in one call (goal_rows)
   goal_rows ;;
 s26-goals)  # issue #14: goal-rows after warm compiles (its three programs compiled side by side into the persistent

@@ -6,9 +6,9 @@ the launches run one after another inside one graph, as in a decode step), for e
 default rule, `default_splits`; 1: one kernel, nothing to merge). Reported: µs a layer per (width, live keys,
 queries), and the largest difference from the one-piece output. Shapes: head_dim 256, one kv head, four query heads
 (Gemma 3 270M and its drafter), one row; --head-dim / --kv-heads / --group for others (E4B's global layers: 512, 2,
-4). --tunings adds the default piece count with other kernel knobs (block_k, num_warps, num_stages), --real-rows the
-default with only the real query rows' partials stored and merged (`paged_attention_rows(real_rows=...)`) against
-all of them, in one process. (Until session 37 it also ran the merge inside the attention kernel and the pipelined
+4). --tunings adds the default piece count with other kernel knobs (block_k, num_warps, num_stages, and optionally
+the pieces' granule and the real rows only: bk64w8st1g32r), --real-rows the default with only the real query rows'
+partials stored and merged (`paged_attention_rows(real_rows=...)`) against all of them, in one process. (Until session 37 it also ran the merge inside the attention kernel and the pipelined
 key walk, since removed: commit a536233 has them.)
 
     python bench/diag_splits.py --splits 1,2,4,8,16,0 --json OUT.json
@@ -52,15 +52,22 @@ def chain(layers: int, num_splits, **kw):
     return run
 
 
-def tunings(text: str) -> list[dict]:
-    """Kernel knobs, e.g. bk16w4st1,bk32w8st2 (block_k, num_warps, num_stages); "" for none."""
+def tunings(text: str) -> list[tuple[str, dict]]:
+    """Kernel knobs, e.g. bk16w4st1,bk64w8st1g32r: block_k, num_warps, num_stages, then optionally g<granule> (pieces
+    cut at multiples of it) and r (only the real query rows' partials); "" for none. [(token, knobs)]; the
+    `real_rows` count is filled in per shape (True here)."""
     out = []
     for token in filter(None, text.split(",")):
-        m = re.fullmatch(r"bk(\d+)w(\d+)st(\d+)", token)
+        m = re.fullmatch(r"bk(\d+)w(\d+)st(\d+)(?:g(\d+))?(r)?", token)
         if m is None:
-            raise argparse.ArgumentTypeError(f"expected tokens like bk16w4st1 (block_k, num_warps, num_stages), got "
-                                             f"{token!r}")
-        out.append(dict(block_k=int(m[1]), num_warps=int(m[2]), num_stages=int(m[3])))
+            raise argparse.ArgumentTypeError(f"expected tokens like bk16w4st1 or bk64w8st1g32r (block_k, num_warps, "
+                                             f"num_stages, [g granule], [r: real rows]), got {token!r}")
+        kw = dict(block_k=int(m[1]), num_warps=int(m[2]), num_stages=int(m[3]))
+        if m[4]:
+            kw["granule"] = int(m[4])
+        if m[5]:
+            kw["real_rows"] = True
+        out.append((token, kw))
     return out
 
 
@@ -113,7 +120,8 @@ def main(argv=None):
     p.add_argument("--wide-splits", type=counts, default="", help="piece counts also run with 64-key blocks (the default for "
                    "head_dim 256 is 32), with the merge kernel")
     p.add_argument("--tunings", type=tunings, default="", help="the default piece count with other kernel knobs, a "
-                   "column each: bk<block_k>w<num_warps>st<num_stages>, e.g. bk16w4st1,bk32w8st2")
+                   "column each: bk<block_k>w<num_warps>st<num_stages>[g<granule>][r], e.g. bk16w4st1,bk64w8st1g32r (r: only the "
+                   "real rows' partials)")
     p.add_argument("--real-rows", action="store_true", help="also the default piece count with only the real query "
                    "rows' partials stored and merged (real_rows = tq x group); the other columns store every row's")
     p.add_argument("--head-dim", type=positive, default=256)
@@ -144,7 +152,8 @@ def main(argv=None):
             ref = np.asarray(chain(args.layers, 1)(*inputs), np.float32)
             variants = [(x, {}, "kernel") for x in args.splits]
             variants += [(x, dict(block_k=64), "bk64_kernel") for x in args.wide_splits]
-            variants += [(0, kw, "bk{block_k}w{num_warps}st{num_stages}_kernel".format(**kw)) for kw in args.tunings]
+            variants += [(0, {**kw, **({"real_rows": tq * G} if kw.get("real_rows") else {})}, f"{token}_kernel")
+                         for token, kw in args.tunings]
             if args.real_rows:
                 variants.append((0, dict(real_rows=tq * G), "real_rows_kernel"))
             diff = 0.0

@@ -810,14 +810,17 @@ s39-rows)  # issue #14: the split attention kernel stores, and its merge reads, 
 s39-attn)  # issue #14 (next): E4B's attention kernels one by one in chains of 16 layers (bench/diag_splits.py, one
   # process a shape): the global layers' (head_dim 512, 2 kv heads, 4K live keys; 14.2 us for 16.8 MB on the H100 in
   # session 37's trace, ~35% of HBM) and the sliding layers' (256, 640-wide table, 513 live keys), decode (tq 1) and
-  # verify (tq 4): the default kernel, only the real rows' partials (--real-rows, session 39), ATTN_TUNINGS knobs, and
-  # (global) ATTN_SPLITS_GLOBAL piece counts (the default rule gives 64 at 4K: 128 programs); sliding:
+  # verify (tq 4): the default kernel, only the real rows' partials (--real-rows, session 39), ATTN_TUNINGS knobs
+  # (session 40's H100 run: 64-key blocks -10% at 4K live keys, +12% at 1K; the default (bk32w8st1r) against 64-key
+  # blocks whose pieces are cut at 32 keys (g32), with and without the real rows (r)), and
+  # (global) ATTN_SPLITS_GLOBAL piece counts (the default rule gives 64 at 4K: 128 programs; 32, 128 slower); sliding:
   # ATTN_SPLITS_SLIDING (default 0: the rule's 32) and ATTN_WIDE_SLIDING (the same in 64-key blocks, e.g. 8,16)
-  timeout ${ATTN_TIMEOUT:-250} python3 bench/diag_splits.py --head-dim 512 --kv-heads 2 --cases 4096:4096 --tq 1,4 \
-    --splits ${ATTN_SPLITS_GLOBAL:-0,32,128} --real-rows --tunings ${ATTN_TUNINGS_GLOBAL:-bk16w4st2,bk16w8st2,bk32w4st1,bk64w8st1} \
+  timeout ${ATTN_TIMEOUT:-250} python3 bench/diag_splits.py --head-dim 512 --kv-heads 2 --cases ${ATTN_CASES_GLOBAL:-4096:4096,4096:1024} \
+    --tq 1,4 --splits ${ATTN_SPLITS_GLOBAL:-0} --real-rows \
+    --tunings ${ATTN_TUNINGS_GLOBAL:-bk32w8st1r,bk64w8st1,bk64w8st1r,bk64w8st1g32,bk64w8st1g32r} \
     --json "$OUT/diag-attn-global.json" > "$OUT/diag-attn.log" 2>&1
   timeout ${ATTN_TIMEOUT:-250} python3 bench/diag_splits.py --head-dim 256 --kv-heads 2 --cases 640:513 --tq 1,4 \
-    --splits ${ATTN_SPLITS_SLIDING:-0} --wide-splits "${ATTN_WIDE_SLIDING:-}" --real-rows --tunings ${ATTN_TUNINGS_SLIDING:-bk16w4st2,bk16w8st2,bk32w4st2,bk64w8st2} \
+    --splits ${ATTN_SPLITS_SLIDING:-0} --wide-splits "${ATTN_WIDE_SLIDING:-}" --real-rows --tunings ${ATTN_TUNINGS_SLIDING:-bk32w4st2r,bk64w8st2r,bk64w8st2g32r,bk64w4st2g32r} \
     --json "$OUT/diag-attn-sliding.json" >> "$OUT/diag-attn.log" 2>&1
   grep -E '^\{|Error|error:' "$OUT/diag-attn.log" | head -8 ;;
 s38-tiling)  # issue #14: XLA's exhaustive GEMM tiling search (`--xla_gpu_exhaustive_tiling_search=true`: the autotuner

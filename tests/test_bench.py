@@ -389,16 +389,18 @@ def test_diag_splits_variants_equal_one_piece(tmp_path):
     and writes a column each."""
     path = tmp_path / "splits.json"
     _diag_splits().main(["--layers", "2", "--iters", "1", "--cases", "128:60", "--tq", "1", "--splits", "1,2",
-                         "--wide-splits", "2", "--tunings", "bk16w4st2", "--real-rows", "--kv-heads", "2",
+                         "--wide-splits", "2", "--tunings", "bk16w4st2,bk32w4st2g16r", "--real-rows", "--kv-heads", "2",
                          "--json", str(path)])
     (row,) = json.loads(path.read_text())["rows"]
     assert {k for k in row if k.endswith("_us_per_layer")} == {
         "s1_kernel_us_per_layer", "s2_kernel_us_per_layer", "s2_bk64_kernel_us_per_layer",
-        "sdefault_bk16w4st2_kernel_us_per_layer", "sdefault_real_rows_kernel_us_per_layer"}
+        "sdefault_bk16w4st2_kernel_us_per_layer", "sdefault_bk32w4st2g16r_kernel_us_per_layer",
+        "sdefault_real_rows_kernel_us_per_layer"}
     assert row["max_abs_diff"] < 0.05  # bf16 values of order 1 after two layers
 
 
-@pytest.mark.parametrize("argv", [["--splits", "1,-2"], ["--wide-splits", "x"], ["--tunings", "bk16"]])
+@pytest.mark.parametrize("argv", [["--splits", "1,-2"], ["--wide-splits", "x"], ["--tunings", "bk16"],
+                                  ["--tunings", "bk32w4st2x"]])
 def test_diag_splits_bad_lists_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         _diag_splits().main(argv)

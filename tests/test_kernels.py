@@ -140,14 +140,14 @@ ATTENTION_CASES = [
 ]
 
 
-def assert_matches_reference(g, tq, d, dtype, window, cached, tuning, **kw):
-    """One case of ATTENTION_CASES (a mixed batch, poisoned pools, blocks of 16 keys) through `paged_attention` with
-    the options kw, against the exact reference on the clean pools."""
+def assert_matches_reference(g, tq, d, dtype, window, cached, tuning, block_k=16, **kw):
+    """One case of ATTENTION_CASES (a mixed batch, poisoned pools, blocks of 16 keys unless block_k) through
+    `paged_attention` with the options kw (over the case's tuning), against the exact reference on the clean pools."""
     rng = np.random.default_rng(0)
     batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
     x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
     got = paged_attention(x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3,
-                          block_k=16, **kw, **tuning)
+                          block_k=block_k, **{**tuning, **kw})
     want = paged_attention_ref(x.q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3)
     got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
     assert got.shape == want.shape and np.isfinite(got).all()
@@ -173,6 +173,13 @@ def test_fixed_splits_match_reference(case):
     multiples of block_k, not following the live span, on the poisoned pools of the mixed batch: still the
     reference's attention."""
     assert_matches_reference(*ATTENTION_CASES[case], gather_q=True, fixed_splits=True)
+
+
+@pytest.mark.parametrize("case", [1, 3, 6], ids=["g2-tq4-swa", "g4-tq4-full", "g2-tq1-d512-full"])
+def test_granule_pieces_match_reference(case):
+    """granule 16 under 32-key blocks: pieces of the live span end inside a block (the keys past a piece's end are
+    its neighbour's), on the poisoned pools of the mixed batch: still the reference's attention."""
+    assert_matches_reference(*ATTENTION_CASES[case], gather_q=True, block_k=32, granule=16, num_splits=4)
 
 
 @pytest.mark.parametrize("real_rows", [None, "queries"], ids=["all-rows", "real-rows"])
@@ -339,6 +346,12 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
         padded = query_rows(tq, g, d)[1] > tq * g
         copies = ("stablehlo.transpose" in text, "stablehlo.slice" in text)
         assert copies == ((False, False) if gather_q else (True, padded)), (B, tq, kvh, g, d, gather_q)
+    # a global layer's shape in 64-key blocks whose pieces are cut at 32 keys (bench/diag_splits.py's g32 columns)
+    text = lower(lambda *a: paged_attention(*a, block_k=64, granule=32, interpret=False, gather_q=True),
+                 spec((1, 1, 8, 512), jnp.bfloat16), spec((4096, 2, 512), jnp.bfloat16),
+                 spec((4096, 2, 512), jnp.bfloat16), spec((1, 4096), jnp.int32), spec((1,), jnp.int32),
+                 spec((1, 1), jnp.int32), spec((1, 1), jnp.int32))
+    assert text.count("__gpu$xla.gpu.triton") == 2
     for swa in (None, spec((4096,), jnp.int32)):
         text = lower(
             lambda t, s, e, m: gather_kv_indices(t, s, e, m, width=131072, page_size=16, interpret=False),

@@ -61,11 +61,13 @@ def _norm_rope(q, q_swap, q_norm, q_norm_swap, cos, sin, eps):
     return (qn * cos[None, :] + sign[None, :] * qsn * sin[None, :]).astype(dtype)
 
 
-def _piece(split, first, last, *, num_splits: int, block_k: int, fixed_chunk: int | None):
+def _piece(split, first, last, *, num_splits: int, block_k: int, fixed_chunk: int | None, granule: int | None = None):
     """[lo, hi): the entries of kv_indices that piece `split` of a row walks, given the row's live span [first, last);
-    lo >= hi: an empty piece."""
+    lo >= hi: an empty piece. Pieces that follow the span are a multiple of `granule` keys (default block_k): with a
+    smaller granule a piece may end inside a block, whose keys past hi are masked."""
     if fixed_chunk is None:  # pieces follow the live span: few keys, many programs
-        chunk = pl.cdiv(pl.cdiv(last - first, num_splits), block_k) * block_k
+        granule = granule or block_k
+        chunk = pl.cdiv(pl.cdiv(last - first, num_splits), granule) * granule
         lo = first + split * chunk
         return lo, jnp.minimum(lo + chunk, last)
     # pieces and blocks at fixed entries (kv_start 0: absolute positions); entries before `first` are masked
@@ -73,7 +75,8 @@ def _piece(split, first, last, *, num_splits: int, block_k: int, fixed_chunk: in
 
 
 def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer: int | None, rope_eps=None,
-                      gather_q=None, fixed_chunk: int | None = None, real_rows: int | None = None):
+                      gather_q=None, fixed_chunk: int | None = None, real_rows: int | None = None,
+                      granule: int | None = None):
     """Program (b, h, row_block, split): unnormalised attention of one query block over one piece of live keys
     (num_splits == 1: the normalised output, in o_ref's dtype; a row that saw no key gets 0).
 
@@ -92,6 +95,7 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     block hold, and so a row's sums, do not depend on the other rows of the call (batch invariance).
     With real_rows (the query rows per kv head that are not padding of the power-of-two block, Tq * G), the partials
     of rows past it are not stored (`_real_rows`): the merge does not read them either.
+    With granule (< block_k), pieces are cut at multiples of granule keys, not of block_k (`_piece`).
     (Two other forms were measured on the H200 and removed in session 37, commit a536233 has them: the splits merged
     in this kernel by the last program of a query block to finish, after an atomic count, E4B's verify step 15%
     slower, session 15; the key walk software-pipelined by hand, no walk faster and long ones up to 19% slower,
@@ -118,7 +122,8 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     first = span_ref[b, 0]
     last = span_ref[b, 1]
     kv_start = kv_start_ref[b]
-    lo, hi = _piece(split, first, last, num_splits=num_splits, block_k=block_k, fixed_chunk=fixed_chunk)
+    lo, hi = _piece(split, first, last, num_splits=num_splits, block_k=block_k, fixed_chunk=fixed_chunk,
+                    granule=granule)
     num_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
 
     if rope_eps is not None:
@@ -304,13 +309,13 @@ def row_ranges(kv_start, q_lo, q_hi, group: int, padded_rows: int, width: int):
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "layer", "block_k", "block_q", "num_splits", "num_warps", "num_stages", "interpret",
-                     "gather_q", "fixed_splits"),
+                     "gather_q", "fixed_splits", "granule"),
 )
 def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, scale: float = 1.0,
                     layer: int | None = None,
                     block_k: int | None = None, block_q: int | None = None, num_splits: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None,
-                    gather_q: bool = False, fixed_splits: bool = False):
+                    gather_q: bool = False, fixed_splits: bool = False, granule: int | None = None):
     """Attention of q over the keys listed in `kv_indices` (kernel of `paged_attention_ref`).
 
     q: [B, Tq, NH, D]; k_cache, v_cache: [num_slots, KVH, D]; NH = G * KVH; D a power of two >= 16. With `layer`,
@@ -331,6 +336,7 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     of block_k) instead of following the live span, so that a query row's output does not depend on the other rows
     of the call; with kv_start 0 for every row, a row's result is then a function of its own position and keys
     (the engine's batch-invariant mode, `EngineConfig.batch_invariant`).
+    granule: `paged_attention_rows`' (pieces cut at multiples of it, not of block_k).
     Returns [B, Tq, NH, D] in q.dtype.
     """
     B, Tq, NH, D = q.shape
@@ -351,7 +357,7 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
                                layer=layer, block_k=block_k, block_q=block_q, num_splits=num_splits,
                                num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                                gather_q=(rows, NH, G) if gather_q else None, fixed_splits=fixed_splits,
-                               real_rows=rows)
+                               real_rows=rows, granule=granule)
     if gather_q:  # written in q's layout: no un-padding copy after the call either
         out = out.reshape(B, Tq, NH, D)
     else:
@@ -363,7 +369,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
                          layer: int | None = None, block_k: int | None = None, block_q: int | None = None,
                          num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                          interpret: bool | None = None, rope=None, gather_q=None, fixed_splits: bool = False,
-                         real_rows: int | None = None):
+                         real_rows: int | None = None, granule: int | None = None):
     """`paged_attention` on queries already in the row layout (`query_rows`, `row_ranges`): q_rows [Bq, KVH, R, D],
     row_lo / row_hi int32[B, R], span int32[B, 2], B <= Bq: the first B rows are attended (more query rows may be
     padding of their producer; those output rows are left unwritten). Returns [Bq, KVH, R, D] in q_rows.dtype
@@ -378,7 +384,11 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     fixed_splits: `paged_attention`'s.
     real_rows: how many of the R rows are queries (Tq * G; the rest pad the block to a power of two; default: all,
     or gather_q's Tq * G): with several splits only those rows' partials are stored and merged. A padding row's
-    output is 0 either way."""
+    output is 0 either way.
+    granule: pieces of the live span are cut at multiples of this many keys (a power of two, 16 to block_k; default
+    block_k): with block_k 64 and granule 32 a short span still makes as many pieces as 32-key blocks would, while a
+    long one walks one 64-key block a piece where 32-key blocks walk two, one after the other (a diagnosis knob,
+    `bench/diag_splits.py`; not fixed_splits')."""
     if gather_q is None:
         Bq, KVH, padded_rows, D = q_rows.shape
     else:
@@ -394,9 +404,11 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
         block_k = 64 if D <= 128 else 32
     if block_q is None:
         block_q = min(max(_MIN_DOT, 16384 // D), padded_rows)
-    for name, size in (("head_dim", D), ("block_k", block_k), ("block_q", block_q)):
+    for name, size in (("head_dim", D), ("block_k", block_k), ("block_q", block_q), ("granule", granule or block_k)):
         if size & (size - 1) or size < _MIN_DOT:
             raise ValueError(f"{name} ({size}) must be a power of two >= {_MIN_DOT}")
+    if granule is not None and granule > block_k:
+        raise ValueError(f"granule ({granule}) must be at most block_k ({block_k})")
     if num_warps is None:
         num_warps = 4 if D <= 128 else 8
     if num_stages is None:
@@ -415,7 +427,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
         real_rows = None  # no padding: no masks
     kernel = functools.partial(_attention_kernel, scale=scale, block_k=block_k, num_splits=num_splits, layer=layer,
                                rope_eps=None if rope is None else rope[5], gather_q=gather_q, fixed_chunk=fixed_chunk,
-                               real_rows=real_rows)
+                               real_rows=real_rows, granule=None if granule == block_k else granule)
 
     def whole(shape):  # read by slot or row index inside the kernel
         return pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))

@@ -851,6 +851,28 @@ s40-since29)  # issue #14: E4B's bs-1 decode and verify steps (4K) with this tre
       cat /tmp/since-$step-$i.log >> "$OUT/since29.log"
       echo "== $step $v run $i (${SECONDS}s, $(PYTHONPATH=$pp python3 -P -c 'import jaxspec; print(jaxspec.__file__)')):" \
         "$(grep -hE '^step of|Error' /tmp/since-$step-$i.log | tr '\n' ' ')"; done; done ;;
+s40-shared-q)  # issue #14: a KV-shared layer's q norm and RoPE inside its attention kernel (session 40: 18 launches
+  # fewer an E4B decode step) against `q_rope` then the attention (JAXSPEC_SHARED_Q_IN_ATTENTION=0). SHARED_LANE=1
+  # (default) first runs its GPU tests (Triton, fp32, -n 8: the kernel's, test_rounds' engine cases, test_paged); then
+  # decode bs 1 (paged, 4K) traced, one process a run, in SHARED_SEQ's order (default "1 0 1 0": the switch)
+  if [[ ${SHARED_LANE:-1} == 1 ]]; then
+    need_xdist
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider --tb=short \
+      -rfE -n ${WORKERS:-8} --dist loadgroup ${SHARED_TESTS:-tests/test_kernels.py::test_shared_q_norm_rope_in_the_kernel_matches_reference \
+      tests/test_rounds.py::test_qkv_kernel_runs_by_default_in_one_position_steps_only \
+      tests/test_rounds.py::test_shared_q_in_attention_off_runs_q_rope tests/test_paged.py} > "$OUT/tests-shared-q.txt" 2>&1
+    grep -E "(passed|failed).* in |^FAILED|^ERROR" "$OUT/tests-shared-q.txt" | tail -12; fi
+  i=0; for v in ${SHARED_SEQ:-1 0 1 0}; do i=$((i + 1))
+    [ $SECONDS -lt ${SHARED_BUDGET:-480} ] || { echo "== time: stopped before run $i"; break; }
+    rm -rf /tmp/shq-prof
+    JAXSPEC_SHARED_Q_IN_ATTENTION=$v XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true \
+      timeout ${SHARED_TIMEOUT:-150} python3 -m jaxspec.bench decode --bs 1 --cache paged --profile-dir /tmp/shq-prof \
+      --json "$OUT/decode-shared-q$v-run$i.json" > /tmp/shq-$i.log 2>&1
+    timeout 90 python3 -m jaxspec.bench trace /tmp/shq-prof --rounds 20 --top 40 \
+      --json "$OUT/trace-decode-shared-q$v-run$i.json" >> /tmp/shq-$i.log 2>&1
+    cat /tmp/shq-$i.log >> "$OUT/shared-q.log"
+    echo "== switch $v run $i (${SECONDS}s): $(grep -hE '^step of|all kernels|Error' /tmp/shq-$i.log | tr '\n' ' ')"
+  done ;;
 goal-rows)  # issue #14: every goal row of the target's and the drafter's steps in one call (goal_rows)
   goal_rows ;;
 s26-goals)  # issue #14: goal-rows after warm compiles (its three programs compiled side by side into the persistent

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 from jaxspec.pallas.kv_indices import gather_kv_indices, gather_kv_indices_ref
+from jaxspec.pallas.qkv_cache import q_rope_ref
+from jaxspec.pallas.row_norms import Vec
 from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_ref,
                                             paged_attention_rows, query_rows, row_ranges)
 
@@ -180,6 +182,38 @@ def test_granule_pieces_match_reference(case):
     """granule 16 under 32-key blocks: pieces of the live span end inside a block (the keys past a piece's end are
     its neighbour's), on the poisoned pools of the mixed batch: still the reference's attention."""
     assert_matches_reference(*ATTENTION_CASES[case], gather_q=True, block_k=32, granule=16, num_splits=4)
+
+
+def shared_q_case(case: int, seed: int = 3):
+    """A tq-1 case of ATTENTION_CASES with a KV-shared layer's raw q projection [B, 1, NH D], a q-norm stack [3, D]
+    read at (1,), and a row's cos / sin fp32 [B, 1, D]: (batch, inputs, q_raw, q_norm, cos, sin)."""
+    g, tq, d, dtype, window, cached, tuning = ATTENTION_CASES[case]
+    assert tq == 1
+    rng = np.random.default_rng(seed)
+    batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
+    x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
+    B = x.q.shape[0]
+    q_raw = jnp.asarray(3 * rng.standard_normal((B, 1, 2 * g * d)), dtype)
+    q_norm = jnp.asarray(rng.standard_normal((3, d)), jnp.float32)
+    angles = rng.uniform(-np.pi, np.pi, (B, 1, d))
+    return batch, x, q_raw, q_norm, jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+
+
+@pytest.mark.parametrize("case", [0, 2, 6], ids=["g1-d16-s1", "g4-d16-swa-s2", "g2-d512-s2"])
+def test_shared_q_norm_rope_in_the_kernel_matches_reference(case):
+    """A KV-shared layer's q normed and rotated inside the attention kernel (`rope_eps`: q's rotate-half partner
+    gathered from q itself) against `q_rope_ref` then the reference attention, on the poisoned pools."""
+    batch, x, q_raw, q_norm, cos, sin = shared_q_case(case)
+    tuning, dtype = ATTENTION_CASES[case][6], ATTENTION_CASES[case][3]
+    got = paged_attention(q_raw.reshape(*x.q.shape), x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo,
+                          batch.q_hi, scale=0.3, block_k=16, gather_q=True, q_norm=q_norm, q_norm_index=(1,),
+                          cos=cos, sin=sin, rope_eps=1e-6, **tuning)
+    q = q_rope_ref(q_raw, Vec(q_norm, (1,)), cos, sin, eps=1e-6)
+    want = paged_attention_ref(q, x.k, x.v, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3)
+    got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+    assert np.isfinite(got).all()
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("real_rows", [None, "queries"], ids=["all-rows", "real-rows"])
@@ -352,6 +386,16 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
                  spec((4096, 2, 512), jnp.bfloat16), spec((1, 4096), jnp.int32), spec((1,), jnp.int32),
                  spec((1, 1), jnp.int32), spec((1, 1), jnp.int32))
     assert text.count("__gpu$xla.gpu.triton") == 2
+    # a KV-shared layer's q normed and rotated in the attention kernel (E4B's sliding and global head dims)
+    for d in (256, 512):
+        text = lower(lambda q, k, v, i, s, lo, hi, qn, c, sn: paged_attention(
+                         q, k, v, i, s, lo, hi, interpret=False, gather_q=True, q_norm=qn, q_norm_index=(3,), cos=c,
+                         sin=sn, rope_eps=1e-6),
+                     spec((2, 1, 8, d), jnp.bfloat16), spec((4096, 2, d), jnp.bfloat16),
+                     spec((4096, 2, d), jnp.bfloat16), spec((2, 640), jnp.int32), spec((2,), jnp.int32),
+                     spec((2, 1), jnp.int32), spec((2, 1), jnp.int32), spec((7, d), jnp.float32),
+                     spec((2, 1, d), jnp.float32), spec((2, 1, d), jnp.float32))
+        assert text.count("__gpu$xla.gpu.triton") == 2, d
     for swa in (None, spec((4096,), jnp.int32)):
         text = lower(
             lambda t, s, e, m: gather_kv_indices(t, s, e, m, width=131072, page_size=16, interpret=False),

@@ -170,14 +170,20 @@ def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, p
     eps, add_norm = cfg.rms_norm_eps, ops.add_norm
     B, T = positions.shape
     into_cache = getattr(attend, "qkv_into_cache", None)  # `cache.qkv_kernel_on`: norms, RoPE, K/V write in one kernel
+    shared_q = getattr(attend, "shared_q", None)  # a KV-shared layer's q norm and RoPE in the attention kernel
+    a = None
     if into_cache is not None and "qkv_proj" in w:
         q, cache = into_cache(cache, i, vec_linear(h, w.vec("qkv_proj")), w.vec("q_norm"), w.vec("k_norm"), positions)
         k = v = None  # written
     elif into_cache is not None and "q_proj" in w and "k_proj" not in w:  # a KV-shared layer: q's norm and RoPE
-        q, k, v = attend.q_rope(i, vec_linear(h, w.vec("q_proj")), w.vec("q_norm"), positions), None, None
+        if shared_q is not None:
+            a, cache = shared_q(cache, i, vec_linear(h, w.vec("q_proj")), w.vec("q_norm"), positions)
+        else:
+            q, k, v = attend.q_rope(i, vec_linear(h, w.vec("q_proj")), w.vec("q_norm"), positions), None, None
     else:
         q, k, v = qkv(w, cfg, i, h, positions)
-    a, cache = attend(cache, i, q, k, v)
+    if a is None:
+        a, cache = attend(cache, i, q, k, v)
     a = a.reshape(B, T, -1)
     o = vec_linear(a, w.vec("o_proj"))
     x, h = add_norm(o, x, w.vec("norms", 1), w.vec("norms", 2), None, eps)

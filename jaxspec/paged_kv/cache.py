@@ -175,6 +175,23 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
             return q_rope(q, q_norm, cos, sin, eps=cfg.rms_norm_eps)
 
         attend.qkv_into_cache, attend.q_rope = qkv_into_cache, q_only
+        if (meta.positions.shape[1] == 1 and env_switch("JAXSPEC_ATTN_GATHER_Q") is not False
+                and env_switch("JAXSPEC_SHARED_Q_IN_ATTENTION") is not False):  # one-position steps
+            def shared_q(kv, i, q, q_norm: Vec, positions):
+                """A KV-shared layer's q projection [B, 1, NH D] -> (its attention [B, 1, NH, D], kv): q normed and
+                rotated inside the attention kernel (`paged_attention`'s rope_eps), one launch fewer a layer than
+                `q_only` then `attend` (E4B: 18 a decode step). JAXSPEC_SHARED_Q_IN_ATTENTION=0: q_only, then attend."""
+                t, layer = cfg.kv_slot(i)
+                m = meta.layers[t]
+                D = cfg.layer_head_dim(i)
+                cos, sin = rope_tables(positions, cfg.rope(cfg.layer_types[i]), D, acc_dtype(q.dtype))
+                out = paged_attention(q.reshape(q.shape[0], 1, -1, D), kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo,
+                                      m.q_hi, scale=cfg.query_scale, layer=layer, gather_q=True,
+                                      fixed_splits=meta.invariant, q_norm=q_norm.stack,
+                                      q_norm_index=tuple(q_norm.index), cos=cos, sin=sin, rope_eps=cfg.rms_norm_eps)
+                return out, kv
+
+            attend.shared_q = shared_q
     return attend
 
 

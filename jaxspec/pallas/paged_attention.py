@@ -46,6 +46,16 @@ def _rope_operands(qs_ref, qn_ref, cos_ref, sin_ref):
     return qs_ref[...], qn_ref[...], qn_ref[perm], cos_ref[...], sin_ref[...]
 
 
+def _gathered_rope_operands(q_ref, qn_ref, cos_ref, sin_ref, b, r, qn_index: tuple):
+    """`_rope_operands` for q read in its own layout (`gather_q`): q's rotate-half partner gathered from q itself
+    (rows r, columns (j + D/2) % D) instead of a stored copy, the q-norm weight read at qn_index of its stack."""
+    D = q_ref.shape[-1]
+    perm = (lax.iota(jnp.int32, D) + D // 2) % D
+    shape = (r.shape[0], D)
+    q_swap = q_ref[b, jnp.broadcast_to(r[:, None], shape), jnp.broadcast_to(perm[None, :], shape)]
+    return q_swap, qn_ref[(*qn_index, slice(None))], qn_ref[(*qn_index, perm)], cos_ref[b, :], sin_ref[b, :]
+
+
 def _norm_rope(q, q_swap, q_norm, q_norm_swap, cos, sin, eps):
     """The query prologue of the drafter's fused step: per-row RMSNorm times the q-norm weight, then RoPE, rounded
     where `decoder_layer` rounds. q, q_swap: [rows, D] in the compute dtype, q_swap[:, j] = q[:, (j + D/2) % D] (the
@@ -76,7 +86,7 @@ def _piece(split, first, last, *, num_splits: int, block_k: int, fixed_chunk: in
 
 def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer: int | None, rope_eps=None,
                       gather_q=None, fixed_chunk: int | None = None, real_rows: int | None = None,
-                      granule: int | None = None):
+                      granule: int | None = None, rope_index: tuple | None = None):
     """Program (b, h, row_block, split): unnormalised attention of one query block over one piece of live keys
     (num_splits == 1: the normalised output, in o_ref's dtype; a row that saw no key gets 0).
 
@@ -96,6 +106,8 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     With real_rows (the query rows per kv head that are not padding of the power-of-two block, Tq * G), the partials
     of rows past it are not stored (`_real_rows`): the merge does not read them either.
     With granule (< block_k), pieces are cut at multiples of granule keys, not of block_k (`_piece`).
+    With gather_q and rope_eps, q_ref holds the raw projections in q's own layout and no q_swap follows it: qn_ref
+    (the q-norm stack, read at rope_index), cos_ref and sin_ref ([B, D]) do (`_gathered_rope_operands`).
     (Two other forms were measured on the H200 and removed in session 37, commit a536233 has them: the splits merged
     in this kernel by the last program of a query block to finish, after an atomic count, E4B's verify step 15%
     slower, session 15; the key walk software-pipelined by hand, no walk faster and long ones up to 19% slower,
@@ -103,6 +115,9 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     """
     if rope_eps is None:
         span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs = refs
+    elif gather_q is not None:
+        (span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, qn_ref, cos_ref, sin_ref,
+         k_ref, v_ref, o_ref, *ml_refs) = refs
     else:
         (span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, qs_ref, qn_ref, cos_ref, sin_ref,
          k_ref, v_ref, o_ref, *ml_refs) = refs
@@ -117,7 +132,12 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
         block_q, head_dim = row_lo_ref.shape[0], q_ref.shape[-1]
         r, own = _own_rows(gather_q, h, block_q)
         q = q_ref[b, r, :]  # [block_q, D]
-    rope = None if rope_eps is None else _rope_operands(qs_ref, qn_ref, cos_ref, sin_ref)
+    if rope_eps is None:
+        rope = None
+    elif gather_q is None:
+        rope = _rope_operands(qs_ref, qn_ref, cos_ref, sin_ref)
+    else:
+        rope = _gathered_rope_operands(q_ref, qn_ref, cos_ref, sin_ref, b, r, rope_index)
 
     first = span_ref[b, 0]
     last = span_ref[b, 1]
@@ -309,13 +329,14 @@ def row_ranges(kv_start, q_lo, q_hi, group: int, padded_rows: int, width: int):
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "layer", "block_k", "block_q", "num_splits", "num_warps", "num_stages", "interpret",
-                     "gather_q", "fixed_splits", "granule"),
+                     "gather_q", "fixed_splits", "granule", "q_norm_index", "rope_eps"),
 )
 def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, scale: float = 1.0,
                     layer: int | None = None,
                     block_k: int | None = None, block_q: int | None = None, num_splits: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None,
-                    gather_q: bool = False, fixed_splits: bool = False, granule: int | None = None):
+                    gather_q: bool = False, fixed_splits: bool = False, granule: int | None = None,
+                    q_norm=None, q_norm_index: tuple = (), cos=None, sin=None, rope_eps: float | None = None):
     """Attention of q over the keys listed in `kv_indices` (kernel of `paged_attention_ref`).
 
     q: [B, Tq, NH, D]; k_cache, v_cache: [num_slots, KVH, D]; NH = G * KVH; D a power of two >= 16. With `layer`,
@@ -337,6 +358,9 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     of the call; with kv_start 0 for every row, a row's result is then a function of its own position and keys
     (the engine's batch-invariant mode, `EngineConfig.batch_invariant`).
     granule: `paged_attention_rows`' (pieces cut at multiples of it, not of block_k).
+    rope_eps (with gather_q, Tq 1): q holds a KV-shared layer's raw q projection, normed (q_norm[q_norm_index], a
+    weight vector of a stack) and rotated (cos, sin: [B, D]) in the attention kernel, as `qkv_cache.q_rope_ref` does
+    it: one launch fewer than `q_rope` and then this kernel.
     Returns [B, Tq, NH, D] in q.dtype.
     """
     B, Tq, NH, D = q.shape
@@ -353,11 +377,16 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
         q_rows = q.reshape(B, Tq, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(B, KVH, rows, D)
         q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))  # [B, KVH, R, D]
     row_lo, row_hi, span = row_ranges(kv_start, q_lo, q_hi, G, padded_rows, kv_indices.shape[1])
+    rope = None
+    if rope_eps is not None:
+        if not gather_q or Tq != 1:
+            raise ValueError("the kernel's q norm and RoPE take gather_q and one query a row")
+        rope = (None, q_norm, q_norm_index, cos.reshape(B, D), sin.reshape(B, D), rope_eps)
     out = paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, scale=scale,
                                layer=layer, block_k=block_k, block_q=block_q, num_splits=num_splits,
                                num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                                gather_q=(rows, NH, G) if gather_q else None, fixed_splits=fixed_splits,
-                               real_rows=rows, granule=granule)
+                               real_rows=rows, granule=granule, rope=rope)
     if gather_q:  # written in q's layout: no un-padding copy after the call either
         out = out.reshape(B, Tq, NH, D)
     else:
@@ -377,7 +406,8 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     fused step) skip the transposes around it.
 
     rope: (q_swap [Bq, KVH, R, D], q_norm stack [L, D], its layer, cos, sin fp32 [Bq, D], eps) for raw projections
-    in q_rows, normed and rotated in the kernel (`_norm_rope`).
+    in q_rows, normed and rotated in the kernel (`_norm_rope`). With gather_q, (None, q_norm stack, its index (a
+    tuple), cos, sin, eps): the kernel gathers q's rotate-half partner from q itself.
     gather_q: (Tq * G, NH, G) when q_rows is the queries as they are, [Bq, Tq * NH, D] (`paged_attention`'s
     gather_q); the kernel gathers each program's rows, and the result comes back in that layout too,
     [Bq, Tq * NH, D] (the last kernel stores each row where its query sits; padding rows store nothing).
@@ -392,8 +422,8 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     if gather_q is None:
         Bq, KVH, padded_rows, D = q_rows.shape
     else:
-        if rope is not None:
-            raise ValueError("gather_q reads q as it is: it does not take the fused step's rope")
+        if rope is not None and rope[0] is not None:
+            raise ValueError("gather_q reads q as it is: it takes no q_swap (rope[0] None: gathered from q)")
         (Bq, _, D), KVH, padded_rows = q_rows.shape, k_cache.shape[-2], row_lo.shape[1]
     B = kv_indices.shape[0]
     width = kv_indices.shape[1]
@@ -427,7 +457,8 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
         real_rows = None  # no padding: no masks
     kernel = functools.partial(_attention_kernel, scale=scale, block_k=block_k, num_splits=num_splits, layer=layer,
                                rope_eps=None if rope is None else rope[5], gather_q=gather_q, fixed_chunk=fixed_chunk,
-                               real_rows=real_rows, granule=None if granule == block_k else granule)
+                               real_rows=real_rows, granule=None if granule == block_k else granule,
+                               rope_index=tuple(rope[2]) if rope is not None and gather_q is not None else None)
 
     def whole(shape):  # read by slot or row index inside the kernel
         return pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))
@@ -445,7 +476,11 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
         whole(v_cache.shape),
     ]
     args = [span, kv_start.astype(jnp.int32), kv_indices.astype(jnp.int32), row_lo, row_hi, q_rows, k_cache, v_cache]
-    if rope is not None:
+    if rope is not None and gather_q is not None:  # q_norm, cos and sin read whole (at b and the index)
+        _, q_norm, _, cos, sin, _ = rope
+        in_specs[6:6] = [whole(q_norm.shape), whole(cos.shape), whole(sin.shape)]
+        args[6:6] = [q_norm, cos.astype(jnp.float32), sin.astype(jnp.float32)]
+    elif rope is not None:
         q_swap, q_norm, q_norm_layer, cos, sin, _ = rope
         row = pl.BlockSpec((None, D), lambda b, h, r, s: (b, 0))
         in_specs[6:6] = [in_specs[5], pl.BlockSpec((None, D), lambda b, h, r, s: (q_norm_layer, 0)), row, row]

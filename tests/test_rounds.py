@@ -341,12 +341,9 @@ def test_qkv_kernel_engine_equals_transformers_greedy(oracle, monkeypatch):
         assert len({m for n, m in rows if n == name}) > 1, rows  # traced in prefill chunks and verify steps
 
 
-def test_qkv_kernel_runs_by_default_in_one_position_steps_only(oracle, monkeypatch):
-    """JAXSPEC_QKV_KERNEL unset (the default): plain decoding's one-position steps run `qkv_cache` (interpreted
-    here), a KV-shared layer's q norm and RoPE inside its attention kernel (no `q_rope`; with
-    JAXSPEC_SHARED_Q_IN_ATTENTION=0 `q_rope`), and its prefill chunks run neither; the engine (R 2 with overlap) gives
-    transformers' greedy continuations. (That speculative verify steps do not run them:
-    test_small_buckets_draft_through_the_fused_kernels.)"""
+def plain_kernel_launches(oracle, monkeypatch) -> set:
+    """Plain decoding with the kernels (bucket 4, prefill chunks of 8, R 2 with overlap, 12 new tokens): asserts the
+    engine gives transformers' greedy continuations and returns the (kernel, rows) pairs of `qkv_launches`."""
     rows = qkv_launches(monkeypatch)
     cfg, params, acfg, aparams, prompts, outs = oracle
     eng = Engine(cfg, params, k=0, draft_mode="off", buckets=(4,), max_running=4, page_size=4, max_context=64,
@@ -354,21 +351,24 @@ def test_qkv_kernel_runs_by_default_in_one_position_steps_only(oracle, monkeypat
     reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
     eng.generate(reqs)
     assert [r.output_ids for r in reqs] == [o[:12] for o in outs]
-    assert set(rows) == {("qkv_cache", 4)}, rows  # bucket 4 x 1 position; never an 8-position chunk
+    return set(rows)
+
+
+def test_qkv_kernel_runs_by_default_in_one_position_steps_only(oracle, monkeypatch):
+    """JAXSPEC_QKV_KERNEL unset (the default): plain decoding's one-position steps run `qkv_cache` (interpreted
+    here), a KV-shared layer's q norm and RoPE inside its attention kernel (no `q_rope`), and its prefill chunks run
+    neither; the engine gives transformers' greedy continuations. (That speculative verify steps do not run them:
+    test_small_buckets_draft_through_the_fused_kernels.)"""
+    rows = plain_kernel_launches(oracle, monkeypatch)
+    assert rows == {("qkv_cache", 4)}, rows  # bucket 4 x 1 position; never an 8-position chunk
 
 
 def test_shared_q_in_attention_off_runs_q_rope(oracle, monkeypatch):
     """JAXSPEC_SHARED_Q_IN_ATTENTION=0: a KV-shared layer's q is normed and rotated by `q_rope` (one launch) before
     its attention, as before session 40, in the one-position steps; still transformers' greedy continuations."""
-    rows = qkv_launches(monkeypatch)
     monkeypatch.setenv("JAXSPEC_SHARED_Q_IN_ATTENTION", "0")
-    cfg, params, acfg, aparams, prompts, outs = oracle
-    eng = Engine(cfg, params, k=0, draft_mode="off", buckets=(4,), max_running=4, page_size=4, max_context=64,
-                 prefill_chunk=8, rounds_per_call=2, overlap=True, use_kernels=True)
-    reqs = [Request(prompt_ids=p, params=dataclasses.replace(GREEDY, max_new_tokens=12)) for p in prompts]
-    eng.generate(reqs)
-    assert [r.output_ids for r in reqs] == [o[:12] for o in outs]
-    assert set(rows) == {("qkv_cache", 4), ("q_rope", 4)}, rows
+    rows = plain_kernel_launches(oracle, monkeypatch)
+    assert rows == {("qkv_cache", 4), ("q_rope", 4)}, rows
 
 
 def test_staged_inputs_engine_equals_transformers_greedy_and_unstaged_sampling(oracle, monkeypatch):

@@ -8,8 +8,9 @@ queries), and the largest difference from the one-piece output. Shapes: head_dim
 (Gemma 3 270M and its drafter), one row; --head-dim / --kv-heads / --group for others (E4B's global layers: 512, 2,
 4). --tunings adds the default piece count with other kernel knobs (block_k, num_warps, num_stages, and optionally
 the pieces' granule and the real rows only: bk64w8st1g32r), --real-rows the default with only the real query rows'
-partials stored and merged (`paged_attention_rows(real_rows=...)`) against all of them, in one process. (Until session 37 it also ran the merge inside the attention kernel and the pipelined
-key walk, since removed: commit a536233 has them.)
+partials stored and merged (`paged_attention_rows(real_rows=...)`) against all of them, in one process. (Until
+session 37 it also ran the merge inside the attention kernel and the pipelined key walk, since removed: commit
+a536233 has them.)
 
     python bench/diag_splits.py --splits 1,2,4,8,16,0 --json OUT.json
     python bench/diag_splits.py --head-dim 512 --kv-heads 2 --cases 4096:4096 --tq 1,4 --splits 0 --real-rows \
@@ -120,8 +121,8 @@ def main(argv=None):
     p.add_argument("--wide-splits", type=counts, default="", help="piece counts also run with 64-key blocks (the default for "
                    "head_dim 256 is 32), with the merge kernel")
     p.add_argument("--tunings", type=tunings, default="", help="the default piece count with other kernel knobs, a "
-                   "column each: bk<block_k>w<num_warps>st<num_stages>[g<granule>][r], e.g. bk16w4st1,bk64w8st1g32r (r: only the "
-                   "real rows' partials)")
+                   "column each: bk<block_k>w<num_warps>st<num_stages>[g<granule>][r], e.g. bk16w4st1,bk64w8st1g32r "
+                   "(r: only the real rows' partials)")
     p.add_argument("--real-rows", action="store_true", help="also the default piece count with only the real query "
                    "rows' partials stored and merged (real_rows = tq x group); the other columns store every row's")
     p.add_argument("--head-dim", type=positive, default=256)

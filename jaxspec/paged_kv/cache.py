@@ -156,13 +156,16 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
         return attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi), kv
 
     if use_kernels and mesh is None and qkv_kernel_on(meta):
+        def tables(i, positions, dtype):  # layer i's RoPE cos, sin [B, T, D] in dtype's accumulation type
+            return rope_tables(positions, cfg.rope(cfg.layer_types[i]), cfg.layer_head_dim(i), acc_dtype(dtype))
+
         def qkv_into_cache(kv, i, out, q_norm: Vec, k_norm: Vec, positions):
             """A non-shared layer's fused q/k/v product `out` [B, T, (NH + KVH (+ KVH)) D] -> (q normed and rotated,
             kv with the step's K and V written): `qkv_cache`, one kernel for what `gemma4.joint_qkv` and the scatter
             above run as several (`qkv_kernel_on`; then `attend` is called with k = v = None)."""
             t, layer = cfg.kv_slot(i)
             stack = kv[t]
-            cos, sin = rope_tables(positions, cfg.rope(cfg.layer_types[i]), stack.k.shape[-1], acc_dtype(out.dtype))
+            cos, sin = tables(i, positions, out.dtype)
             q, k, v = qkv_cache(out, q_norm, k_norm, cos, sin, stack.k, stack.v, layer, meta.layers[t].write,
                                 num_heads=cfg.num_heads, has_v=cfg.has_v_proj(i), v_norm=cfg.use_v_norm,
                                 eps=cfg.rms_norm_eps)
@@ -170,8 +173,7 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
 
         def q_only(i, q, q_norm: Vec, positions):
             """A KV-shared layer's q projection [B, T, NH D] -> q normed and rotated: `q_rope`, one kernel."""
-            rope = cfg.rope(cfg.layer_types[i])
-            cos, sin = rope_tables(positions, rope, cfg.layer_head_dim(i), acc_dtype(q.dtype))
+            cos, sin = tables(i, positions, q.dtype)
             return q_rope(q, q_norm, cos, sin, eps=cfg.rms_norm_eps)
 
         attend.qkv_into_cache, attend.q_rope = qkv_into_cache, q_only
@@ -183,13 +185,12 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
                 `q_only` then `attend` (E4B: 18 a decode step). JAXSPEC_SHARED_Q_IN_ATTENTION=0: q_only, then attend."""
                 t, layer = cfg.kv_slot(i)
                 m = meta.layers[t]
-                D = cfg.layer_head_dim(i)
-                cos, sin = rope_tables(positions, cfg.rope(cfg.layer_types[i]), D, acc_dtype(q.dtype))
-                out = paged_attention(q.reshape(q.shape[0], 1, -1, D), kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo,
-                                      m.q_hi, scale=cfg.query_scale, layer=layer, gather_q=True,
-                                      fixed_splits=meta.invariant, q_norm=q_norm.stack,
-                                      q_norm_index=tuple(q_norm.index), cos=cos, sin=sin, rope_eps=cfg.rms_norm_eps)
-                return out, kv
+                q = q.reshape(q.shape[0], 1, -1, cfg.layer_head_dim(i))
+                attn = _attend_fn(True, 1, None, q.shape[2], kv[t].k.shape[2], layer, scale=cfg.query_scale,
+                                  fixed_splits=meta.invariant)  # the kernel, gather_q on (checked above)
+                cos, sin = tables(i, positions, q.dtype)
+                return attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi, q_norm=q_norm.stack,
+                            q_norm_index=tuple(q_norm.index), cos=cos, sin=sin, rope_eps=cfg.rms_norm_eps), kv
 
             attend.shared_q = shared_q
     return attend

@@ -37,12 +37,16 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _swap_perm(D: int):
+    """int32[D]: column j's rotate-half partner, (j + D/2) % D."""
+    return (lax.iota(jnp.int32, D) + D // 2) % D
+
+
 def _rope_operands(qs_ref, qn_ref, cos_ref, sin_ref):
     """The loads `_norm_rope` needs (q_swap, the q-norm weight and its rotate-half permutation, cos, sin), issued at
     the kernel's start with q's, before anything waits on the live span: a load issued after such a wait costs the
     program one more memory round trip."""
-    D = qn_ref.shape[0]
-    perm = (lax.iota(jnp.int32, D) + D // 2) % D
+    perm = _swap_perm(qn_ref.shape[0])
     return qs_ref[...], qn_ref[...], qn_ref[perm], cos_ref[...], sin_ref[...]
 
 
@@ -50,7 +54,7 @@ def _gathered_rope_operands(q_ref, qn_ref, cos_ref, sin_ref, b, r, qn_index: tup
     """`_rope_operands` for q read in its own layout (`gather_q`): q's rotate-half partner gathered from q itself
     (rows r, columns (j + D/2) % D) instead of a stored copy, the q-norm weight read at qn_index of its stack."""
     D = q_ref.shape[-1]
-    perm = (lax.iota(jnp.int32, D) + D // 2) % D
+    perm = _swap_perm(D)
     shape = (r.shape[0], D)
     q_swap = q_ref[b, jnp.broadcast_to(r[:, None], shape), jnp.broadcast_to(perm[None, :], shape)]
     return q_swap, qn_ref[(*qn_index, slice(None))], qn_ref[(*qn_index, perm)], cos_ref[b, :], sin_ref[b, :]

@@ -297,18 +297,24 @@ def test_trace_summary_of_a_gpu_trace(tmp_path):
 
 def test_call_figures_of_a_gpu_trace(tmp_path):
     """`trace.call_figures` (what `bench propose / verify / decode --profile-dir` put in the traced row): two calls,
-    each three kernels (1 + 2 + 3 ns) and a host copy and a memset beside them: 3 kernels a call (the graph's nodes),
-    2 copies, 6 ns of kernels."""
+    each three kernels (1 + 2 + 3 ns, the third after a 1-ns gap) and a host copy and a memset beside them: 3 kernels
+    a call (the graph's nodes), 2 copies, 6 ns of kernels; a call spans 7 ns (10 to 17), 1 ns of it idle; 93 ns
+    between the first call's last kernel (17) and the second's first (110). A third call, of another program, makes
+    the executions outnumber the calls: no span figures then."""
     from jaxspec.bench import trace
 
     kernels = []
     for base in (0, 100):
         kernels += [(1, "MemcpyH2D", "", base, base + 5), (1, "fusion_1", "jit_propose", base + 10, base + 11),
                     (1, "draft_q_proj", "jit_propose", base + 11, base + 13),
-                    (2, "Memset", "", base + 12, base + 13), (1, "fusion_2", "jit_propose", base + 13, base + 16)]
+                    (2, "Memset", "", base + 12, base + 13), (1, "fusion_2", "jit_propose", base + 14, base + 17)]
     f = trace.call_figures(write_gpu_trace(tmp_path / "prof", kernels), 2)
     assert f == {"traced_calls": 2, "traced_kernels_per_call": 3.0, "traced_copies_per_call": 2.0,
-                 "traced_kernel_us_per_call": pytest.approx(0.006)}
+                 "traced_kernel_us_per_call": pytest.approx(0.006), "traced_span_us_per_call": pytest.approx(0.007),
+                 "traced_idle_in_call_us": pytest.approx(0.001), "traced_idle_between_calls_us": pytest.approx(0.093)}
+    g = trace.call_figures(write_gpu_trace(tmp_path / "prof2", kernels + [(1, "other", "jit_x", 300, 301)]), 2)
+    assert g["traced_kernels_per_call"] == 3.5
+    assert g["traced_span_us_per_call"] is g["traced_idle_in_call_us"] is g["traced_idle_between_calls_us"] is None
 
 
 def test_profiled_rows_carry_their_trace_and_later_rows_say_so(tmp_path):

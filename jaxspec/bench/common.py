@@ -88,6 +88,11 @@ def profile_calls(args, call, label: str, calls: int = 20) -> dict:
         return {"traced_calls": calls, **dict.fromkeys(trace.CALL_FIGURES)}
     print(f"trace: {figures['traced_kernels_per_call']:.1f} kernels a call "
           f"({figures['traced_kernel_us_per_call']:.1f} us), {figures['traced_copies_per_call']:.1f} copies")
+    if figures["traced_span_us_per_call"] is not None:
+        between = figures["traced_idle_between_calls_us"]
+        print(f"trace: a call spans {figures['traced_span_us_per_call']:.1f} us on the device, "
+              f"{figures['traced_idle_in_call_us']:.1f} us of it without a kernel; "
+              f"{'-' if between is None else f'{between:.1f}'} us idle between calls")
     return figures
 
 

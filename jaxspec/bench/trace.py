@@ -169,19 +169,37 @@ def summarise(path: str, rounds: int | None = None, top: int = 15) -> dict:
 
 # what a Stream line holds besides kernels: host<->device copies and memsets (outside the CUDA graph of a call)
 COPY_EVENT = re.compile(r"^Mem(cpy|set)")
-CALL_FIGURES = ("traced_kernels_per_call", "traced_copies_per_call", "traced_kernel_us_per_call")  # call_figures'
+CALL_FIGURES = ("traced_kernels_per_call", "traced_copies_per_call", "traced_kernel_us_per_call",
+                "traced_span_us_per_call", "traced_idle_in_call_us", "traced_idle_between_calls_us")  # call_figures'
 
 
 def call_figures(path: str, calls: int) -> dict:
     """Per call, from a trace of `calls` calls of one program and nothing else (`common.profile_calls`): its kernels
     (the CUDA graph's nodes, with XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true keeping the graph as
-    production runs it), the copies and memsets beside them, and the kernels' µs."""
+    production runs it), the copies and memsets beside them, and the kernels' µs; then where the device idles: a
+    call's span (its first kernel's start to its last kernel's end, the calls told apart as `module_executions` does),
+    the time inside that span no kernel runs (the graph's own gaps between nodes) and the mean time between one
+    call's last kernel and the next call's first (the host's launch and wait, where calls are timed one at a time).
+    The span figures are None where the kernels do not split into `calls` executions."""
     kernels, _ = device_events(path)
     if not kernels:
         raise NoDeviceKernels(f"no device kernels in {path} (a CPU trace has no /device: planes; profile on a GPU)")
     launched = [k for k in kernels if not COPY_EVENT.match(k.name)]
     figures = (len(launched), len(kernels) - len(launched), sum(k.end - k.start for k in launched) / 1e3)
-    return {"traced_calls": calls, **{name: value / calls for name, value in zip(CALL_FIGURES, figures)}}
+    out = {"traced_calls": calls, **{name: value / calls for name, value in zip(CALL_FIGURES, figures)}}
+    executions = module_executions(launched)
+    spans = idle = between = None
+    if len(executions) == calls:
+        spans = sum(e.end - e.start for e in executions) / 1e3 / calls
+        starts, of_call = [e.start for e in executions], defaultdict(list)
+        for k in launched:  # each kernel to the call whose span it starts in
+            of_call[bisect.bisect_right(starts, k.start) - 1].append((k.start, k.end))
+        busy = sum(end - start for ks in of_call.values() for start, end in union(ks))
+        idle = spans - busy / 1e3 / calls
+        between = (sum(b.start - a.end for a, b in zip(executions, executions[1:])) / 1e3 / (calls - 1)
+                   if calls > 1 else None)
+    return {**out, "traced_span_us_per_call": spans, "traced_idle_in_call_us": idle,
+            "traced_idle_between_calls_us": between}
 
 
 # one HLO instruction: `%name = shape opcode(...)`, then its metadata (op_name, deduplicated_name)

@@ -851,6 +851,32 @@ s40-since29)  # issue #14: E4B's bs-1 decode and verify steps (4K) with this tre
       cat /tmp/since-$step-$i.log >> "$OUT/since29.log"
       echo "== $step $v run $i (${SECONDS}s, $(PYTHONPATH=$pp python3 -P -c 'import jaxspec; print(jaxspec.__file__)')):" \
         "$(grep -hE '^step of|Error' /tmp/since-$step-$i.log | tr '\n' ' ')"; done; done ;;
+s41-qkv-attn)  # issue #14: a non-shared layer's q/k/v norms, RoPE and K/V write inside its attention kernel
+  # (JAXSPEC_QKV_IN_ATTENTION=1, session 41: 24 launches fewer an E4B decode step, off by default) and session 40's
+  # KV-shared q in the kernel (JAXSPEC_SHARED_Q_IN_ATTENTION, on by default) against neither. QKV_LANE=1 (default)
+  # first runs their GPU tests (Triton, fp32, -n 8); then decode bs 1 (paged, 4K) traced, one process a run, in
+  # QKV_SEQ's order (default "qkv shared base qkv shared base": both on / the default / both off)
+  if [[ ${QKV_LANE:-1} == 1 ]]; then
+    need_xdist
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-170} python3 -m pytest -v -p no:cacheprovider --tb=short \
+      -rfE -n ${WORKERS:-8} ${QKV_TESTS:-tests/test_kernels.py::test_qkv_in_the_attention_kernel_matches_reference \
+      tests/test_kernels.py::test_shared_q_norm_rope_in_the_kernel_matches_reference \
+      tests/test_rounds.py::test_qkv_in_attention_runs_no_qkv_kernel \
+      tests/test_rounds.py::test_qkv_kernel_runs_by_default_in_one_position_steps_only \
+      tests/test_rounds.py::test_shared_q_in_attention_off_runs_q_rope tests/test_paged.py} > "$OUT/tests-qkv-attn.txt" 2>&1
+    grep -E "(passed|failed).* in |^FAILED|^ERROR" "$OUT/tests-qkv-attn.txt" | tail -12; fi
+  i=0; for v in ${QKV_SEQ:-qkv shared base qkv shared base}; do i=$((i + 1))
+    [ $SECONDS -lt ${QKV_BUDGET:-480} ] || { echo "== time: stopped before run $i"; break; }
+    case $v in qkv) sq=1; qa=1 ;; shared) sq=1; qa=0 ;; *) sq=0; qa=0 ;; esac
+    rm -rf /tmp/qa-prof
+    JAXSPEC_SHARED_Q_IN_ATTENTION=$sq JAXSPEC_QKV_IN_ATTENTION=$qa \
+      XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${QKV_TIMEOUT:-150} python3 -m jaxspec.bench \
+      decode --bs 1 --cache paged --profile-dir /tmp/qa-prof --json "$OUT/decode-qkv-attn-$v-run$i.json" > /tmp/qa-$i.log 2>&1
+    timeout 90 python3 -m jaxspec.bench trace /tmp/qa-prof --rounds 20 --top 40 \
+      --json "$OUT/trace-decode-qkv-attn-$v-run$i.json" >> /tmp/qa-$i.log 2>&1
+    cat /tmp/qa-$i.log >> "$OUT/qkv-attn.log"
+    echo "== $v run $i (${SECONDS}s): $(grep -hE '^step of|^trace|Error' /tmp/qa-$i.log | tr '\n' ' ')"
+  done ;;
 s40-shared-q)  # issue #14: a KV-shared layer's q norm and RoPE inside its attention kernel (session 40: 18 launches
   # fewer an E4B decode step) against `q_rope` then the attention (JAXSPEC_SHARED_Q_IN_ATTENTION=0). SHARED_LANE=1
   # (default) first runs its GPU tests (Triton, fp32, -n 8: the kernel's, test_rounds' engine cases, test_paged); then

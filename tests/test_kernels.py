@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 from jaxspec.pallas.kv_indices import gather_kv_indices, gather_kv_indices_ref
-from jaxspec.pallas.qkv_cache import q_rope_ref
+from jaxspec.pallas.qkv_cache import q_rope_ref, qkv_cache_ref
 from jaxspec.pallas.row_norms import Vec
-from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_ref,
+from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_qkv,
+                                            paged_attention_ref,
                                             paged_attention_rows, query_rows, row_ranges)
 
 # The kernel modules silence this at import, but pytest resets warning filters for each test.
@@ -216,6 +217,57 @@ def test_shared_q_norm_rope_in_the_kernel_matches_reference(case):
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+QKV_CASES = [  # case of ATTENTION_CASES, dtype, has_v, v_norm
+    (0, jnp.float32, True, True), (2, jnp.bfloat16, True, True), (2, jnp.float32, False, True),
+    (6, jnp.float32, True, False),
+]
+
+
+@pytest.mark.parametrize("case, dtype, has_v, v_norm", QKV_CASES,
+                         ids=["g1-d16-s1", "g4-d16-swa-s2-bf16", "g4-d16-swa-s2-k-eq-v", "g2-d512-s2-no-vnorm"])
+def test_qkv_in_the_attention_kernel_matches_reference(case, dtype, has_v, v_norm):
+    """A non-shared layer's one-position step in one attention kernel (`paged_attention_qkv`: q, k, v normed, q and
+    k rotated, K and V written at the write slots and attended) against `qkv_cache_ref` then the reference attention,
+    on a layer stack whose other layer and unread slots are NaN and whose write slots hold NaN before the step (the
+    key walk must take the step's own K and V, not the pool's). The stacks come back with the reference's K and V
+    at the write slots and every other entry as it was; the padding row writes nothing."""
+    g, tq, d, _, window, cached, tuning = ATTENTION_CASES[case]
+    rng = np.random.default_rng(5)
+    batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
+    x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
+    B, NH = x.q.shape[0], 2 * g
+    heads = jnp.asarray(3 * rng.standard_normal((B, 1, NH + 2 * (2 if has_v else 1), d)), dtype)
+    norms = jnp.asarray(rng.standard_normal((2, 3, d)), jnp.float32)  # q's at (0, 1), k's at (1, 2)
+    angles = rng.uniform(-np.pi, np.pi, (B, 1, d))
+    cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+    entry = np.asarray(batch.q_hi)[:, 0] - np.asarray(batch.starts)
+    slots = np.where(entry >= 0, np.asarray(x.indices)[np.arange(B), np.maximum(entry, 0)], 0).astype(np.int32)
+    assert slots[-1] == 0 and (slots[:-1] > 0).all()  # the padding row writes nothing
+    nan = jnp.full((1, *x.k.shape), jnp.nan, dtype)
+    k_bad = jnp.concatenate([nan, x.k_bad[None]]).at[1, slots[:-1]].set(jnp.nan)  # layer 1; layer 0 NaN
+    v_bad = jnp.concatenate([nan, x.v_bad[None]]).at[1, slots[:-1]].set(jnp.nan)
+    slots = jnp.asarray(slots[:, None])
+    got, k_got, v_got = paged_attention_qkv(
+        heads, k_bad, v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, slots, norms, norms, cos, sin,
+        num_heads=NH, layer=1, scale=0.3, q_norm_index=(0, 1), k_norm_index=(1, 2), has_v=has_v, v_norm=v_norm,
+        eps=1e-6, num_splits=tuning.get("num_splits"))
+    clean = (jnp.stack([x.k, x.k]), jnp.stack([x.v, x.v]))
+    q, k_want, v_want = qkv_cache_ref(heads.reshape(B, 1, -1), Vec(norms, (0, 1)), Vec(norms, (1, 2)), cos, sin,
+                                      *clean, 1, slots, num_heads=NH, has_v=has_v, v_norm=v_norm, eps=1e-6)
+    want = paged_attention_ref(q, k_want, v_want, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3, layer=1)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    s = np.asarray(slots[:-1, 0])
+    for stack, written, before in ((k_got, k_want, k_bad), (v_got, v_want, v_bad)):
+        stack, written = np.asarray(stack.astype(jnp.float32)), np.asarray(written.astype(jnp.float32))
+        np.testing.assert_allclose(stack[1, s], written[1, s], rtol=tol, atol=tol)
+        untouched = np.asarray(before.astype(jnp.float32)).copy()
+        untouched[1, s] = stack[1, s]
+        np.testing.assert_array_equal(stack, untouched)  # nothing else written (NaN where it was NaN)
+
+
 @pytest.mark.parametrize("real_rows", [None, "queries"], ids=["all-rows", "real-rows"])
 @pytest.mark.parametrize("splits", [1, 2], ids=["s1", "s2"])
 def test_row_layout_pads_with_zeros(splits, real_rows):
@@ -396,6 +448,18 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
                      spec((2, 1), jnp.int32), spec((2, 1), jnp.int32), spec((7, d), jnp.float32),
                      spec((2, 1, d), jnp.float32), spec((2, 1, d), jnp.float32))
         assert text.count("__gpu$xla.gpu.triton") == 2, d
+    # a non-shared layer's norms, RoPE and K/V write in the attention kernel (E4B's sliding layer, its global
+    # layer without a V projection): the stacks aliased, no scatter beside the kernels
+    for d, has_v in ((256, True), (512, False)):
+        text = lower(lambda hd, k, v, i, s, lo, hi, sl, qn, kn, c, sn, has_v=has_v: paged_attention_qkv(
+                         hd, k, v, i, s, lo, hi, sl, qn, kn, c, sn, num_heads=8, layer=1, scale=1.0,
+                         q_norm_index=(3,), k_norm_index=(4,), has_v=has_v, v_norm=True, eps=1e-6, interpret=False),
+                     spec((2, 1, 8 + (4 if has_v else 2), d), jnp.bfloat16), spec((3, 4096, 2, d), jnp.bfloat16),
+                     spec((3, 4096, 2, d), jnp.bfloat16), spec((2, 640), jnp.int32), spec((2,), jnp.int32),
+                     spec((2, 1), jnp.int32), spec((2, 1), jnp.int32), spec((2, 1), jnp.int32),
+                     spec((7, d), jnp.float32), spec((7, d), jnp.float32), spec((2, 1, d), jnp.float32),
+                     spec((2, 1, d), jnp.float32))
+        assert text.count("__gpu$xla.gpu.triton") == 2 and "scatter" not in text, d
     for swa in (None, spec((4096,), jnp.int32)):
         text = lower(
             lambda t, s, e, m: gather_kv_indices(t, s, e, m, width=131072, page_size=16, interpret=False),

@@ -371,6 +371,16 @@ def test_shared_q_in_attention_off_runs_q_rope(oracle, monkeypatch):
     assert rows == {("qkv_cache", 4), ("q_rope", 4)}, rows
 
 
+def test_qkv_in_attention_runs_no_qkv_kernel(oracle, monkeypatch):
+    """JAXSPEC_QKV_IN_ATTENTION=1: in the one-position steps a non-shared layer's q/k/v norms, RoPE and K/V write
+    run inside its attention kernel (`paged_attention_qkv`), so neither `qkv_cache` nor `q_rope` is launched; the
+    engine (R 2 with overlap: the K/V written there are read by the next steps and by the KV-shared layers) gives
+    transformers' greedy continuations."""
+    monkeypatch.setenv("JAXSPEC_QKV_IN_ATTENTION", "1")
+    rows = plain_kernel_launches(oracle, monkeypatch)
+    assert rows == set(), rows
+
+
 def test_staged_inputs_engine_equals_transformers_greedy_and_unstaged_sampling(oracle, monkeypatch):
     """JAXSPEC_STAGE_INPUTS (on by default since session 28; 0 turns it off): the prefill and decode programs read
     their per-call inputs (the prefill batch, slots, page tables) from one copy made at the program's start

@@ -171,9 +171,15 @@ def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, p
     B, T = positions.shape
     into_cache = getattr(attend, "qkv_into_cache", None)  # `cache.qkv_kernel_on`: norms, RoPE, K/V write in one kernel
     shared_q = getattr(attend, "shared_q", None)  # a KV-shared layer's q norm and RoPE in the attention kernel
+    qkv_attend = getattr(attend, "qkv_attend", None)  # a non-shared layer's too, and its K/V write
     a = None
     if into_cache is not None and "qkv_proj" in w:
-        q, cache = into_cache(cache, i, vec_linear(h, w.vec("qkv_proj")), w.vec("q_norm"), w.vec("k_norm"), positions)
+        out = vec_linear(h, w.vec("qkv_proj"))
+        done = None if qkv_attend is None else qkv_attend(cache, i, out, w.vec("q_norm"), w.vec("k_norm"), positions)
+        if done is None:
+            q, cache = into_cache(cache, i, out, w.vec("q_norm"), w.vec("k_norm"), positions)
+        else:
+            a, cache = done
         k = v = None  # written
     elif into_cache is not None and "q_proj" in w and "k_proj" not in w:  # a KV-shared layer: q's norm and RoPE
         if shared_q is not None:

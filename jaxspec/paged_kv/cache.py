@@ -19,10 +19,10 @@ from jaxspec.config import FULL, TargetConfig, env_switch
 from jaxspec.model.layers import acc_dtype, rope_tables
 from jaxspec.paged_kv.metadata import CacheSpec, StepMetadata
 from jaxspec.paged_kv.pool import PagePool
-from jaxspec.pallas.qkv_cache import q_rope, qkv_cache, write_rows
+from jaxspec.pallas.qkv_cache import q_rope, qkv_cache, supported, write_rows
 from jaxspec.pallas.row_norms import Vec
-from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_ref,
-                                            paged_attention_rows, query_rows, row_ranges)
+from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_qkv,
+                                            paged_attention_ref, paged_attention_rows, query_rows, row_ranges)
 
 MAX_KERNEL_QUERIES = 16  # q_len above this (prefill chunks) uses the XLA path (paged_attention_blocked)
 
@@ -193,6 +193,27 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
                             q_norm_index=tuple(q_norm.index), cos=cos, sin=sin, rope_eps=cfg.rms_norm_eps), kv
 
             attend.shared_q = shared_q
+            if env_switch("JAXSPEC_QKV_IN_ATTENTION") and not meta.invariant:
+                def qkv_attend(kv, i, out, q_norm: Vec, k_norm: Vec, positions):
+                    """A non-shared layer's q/k/v product [B, 1, (NH + KVH (+ KVH)) D] -> (its attention
+                    [B, 1, NH, D], kv with the step's K and V written): the norms, RoPE and K/V write inside the
+                    attention kernel (`paged_attention_qkv`), one launch fewer a layer than `qkv_into_cache` then
+                    `attend` (E4B: 24 a decode step). Off by default (JAXSPEC_QKV_IN_ATTENTION=1: on); None where
+                    the kernel does not take the layer (`qkv_cache.supported`)."""
+                    t, layer = cfg.kv_slot(i)
+                    m, stack = meta.layers[t], kv[t]
+                    if not supported(out, stack.k):
+                        return None
+                    cos, sin = tables(i, positions, out.dtype)
+                    heads = out.reshape(out.shape[0], 1, -1, cfg.layer_head_dim(i))
+                    a, k, v = paged_attention_qkv(
+                        heads, stack.k, stack.v, m.read, m.kv_start, m.q_lo, m.q_hi, m.write, q_norm.stack,
+                        k_norm.stack, cos, sin, num_heads=cfg.num_heads, layer=layer, scale=cfg.query_scale,
+                        q_norm_index=tuple(q_norm.index), k_norm_index=tuple(k_norm.index),
+                        has_v=cfg.has_v_proj(i), v_norm=cfg.use_v_norm, eps=cfg.rms_norm_eps)
+                    return a, {**kv, t: LayerKV(k=k, v=v)}
+
+                attend.qkv_attend = qkv_attend
     return attend
 
 

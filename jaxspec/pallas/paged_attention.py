@@ -75,6 +75,30 @@ def _norm_rope(q, q_swap, q_norm, q_norm_swap, cos, sin, eps):
     return (qn * cos[None, :] + sign[None, :] * qsn * sin[None, :]).astype(dtype)
 
 
+def _new_kv_operands(heads_ref, kn_ref, b, h, new_kv: tuple):
+    """The loads of `_new_kv` for kv head h of row b: ((its raw K, K's rotate-half partner, the k-norm weight and
+    its partner), the raw V: the K projection again where the layer has none), from the q/k/v product's heads
+    [B, NH + KVH (+ KVH), D] (`_attention_kernel`'s new_kv)."""
+    num_heads, has_v, _, kn_index = new_kv
+    D = heads_ref.shape[-1]
+    kv_heads = (heads_ref.shape[1] - num_heads) // (2 if has_v else 1)
+    perm = _swap_perm(D)
+    k = num_heads + h
+    k_raw, k_swap = heads_ref[b, k, :], heads_ref[b, k, perm]
+    v_raw = heads_ref[b, k + kv_heads, :] if has_v else k_raw
+    return (k_raw, k_swap, kn_ref[(*kn_index, slice(None))], kn_ref[(*kn_index, perm)]), v_raw
+
+
+def _new_kv(k_raw, k_swap, k_norm, k_norm_swap, v_raw, cos, sin, eps, *, v_norm: bool, dtype):
+    """A step's new K [D] (normed with k_norm, rotated) and V [D] (normed without a weight where v_norm), rounded to
+    the pool's dtype where `qkv_cache` rounds them: `_norm_rope` on one row, then V's weightless norm."""
+    k = _norm_rope(k_raw[None, :], k_swap[None, :], k_norm, k_norm_swap, cos, sin, eps)[0].astype(dtype)
+    if not v_norm:
+        return k, v_raw.astype(dtype)
+    vf = v_raw.astype(jnp.float32)
+    return k, (vf * lax.rsqrt(jnp.mean(vf * vf) + eps)).astype(dtype)
+
+
 def _piece(split, first, last, *, num_splits: int, block_k: int, fixed_chunk: int | None, granule: int | None = None):
     """[lo, hi): the entries of kv_indices that piece `split` of a row walks, given the row's live span [first, last);
     lo >= hi: an empty piece. Pieces that follow the span are a multiple of `granule` keys (default block_k): with a
@@ -90,7 +114,7 @@ def _piece(split, first, last, *, num_splits: int, block_k: int, fixed_chunk: in
 
 def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer: int | None, rope_eps=None,
                       gather_q=None, fixed_chunk: int | None = None, real_rows: int | None = None,
-                      granule: int | None = None, rope_index: tuple | None = None):
+                      granule: int | None = None, rope_index: tuple | None = None, new_kv: tuple | None = None):
     """Program (b, h, row_block, split): unnormalised attention of one query block over one piece of live keys
     (num_splits == 1: the normalised output, in o_ref's dtype; a row that saw no key gets 0).
 
@@ -112,12 +136,20 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     With granule (< block_k), pieces are cut at multiples of granule keys, not of block_k (`_piece`).
     With gather_q and rope_eps, q_ref holds the raw projections in q's own layout and no q_swap follows it: qn_ref
     (the q-norm stack, read at rope_index), cos_ref and sin_ref ([B, D]) do (`_gathered_rope_operands`).
+    With new_kv = (NH, has_v, v_norm, k_norm_index) (gather_q, rope_eps, one query a row): q_ref is a non-shared
+    layer's whole q/k/v product as heads [B, NH + KVH (+ KVH), D]; kn_ref (the k-norm stack) and slot_ref (int32[B],
+    the row's write slot; 0: padding) follow sin_ref, and the K / V stacks' aliased outputs k_out, v_out follow the
+    others. Each program norms and rotates its kv head's new K (and norms V) as `qkv_cache` does (`_new_kv`); the
+    key walk takes them in place of what the pool holds at the write slot, and program (b, h, 0, 0) stores them there.
     (Two other forms were measured on the H200 and removed in session 37, commit a536233 has them: the splits merged
     in this kernel by the last program of a query block to finish, after an atomic count, E4B's verify step 15%
     slower, session 15; the key walk software-pipelined by hand, no walk faster and long ones up to 19% slower,
     session 16.)
     """
-    if rope_eps is None:
+    if new_kv is not None:
+        (span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, qn_ref, cos_ref, sin_ref, kn_ref,
+         slot_ref, k_ref, v_ref, o_ref, *ml_refs, k_out, v_out) = refs
+    elif rope_eps is None:
         span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, k_ref, v_ref, o_ref, *ml_refs = refs
     elif gather_q is not None:
         (span_ref, kv_start_ref, kv_indices_ref, row_lo_ref, row_hi_ref, q_ref, qn_ref, cos_ref, sin_ref,
@@ -143,6 +175,9 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     else:
         rope = _gathered_rope_operands(q_ref, qn_ref, cos_ref, sin_ref, b, r, rope_index)
 
+    if new_kv is not None:  # loads issued with q's
+        k_new, v_new = _new_kv_operands(q_ref, kn_ref, b, h, new_kv)
+        slot = slot_ref[b]
     first = span_ref[b, 0]
     last = span_ref[b, 1]
     kv_start = kv_start_ref[b]
@@ -152,6 +187,13 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
 
     if rope_eps is not None:
         q = _norm_rope(q, *rope, rope_eps)
+    if new_kv is not None:
+        k_new, v_new = _new_kv(*k_new, v_new, rope[3], rope[4], rope_eps, v_norm=new_kv[2], dtype=k_out.dtype)
+
+        @pl.when((slot != 0) & (pl.program_id(2) == 0) & (split == 0))
+        def _():  # one program a row and kv head stores them (what it stores, no program reads)
+            k_out[layer, slot, h, :] = k_new
+            v_out[layer, slot, h, :] = v_new
     row_lo = row_lo_ref[...][:, None]  # [block_q, 1]
     row_hi = row_hi_ref[...][:, None]
 
@@ -189,7 +231,12 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
 
     def body(j, carry):
         block = keys(j)
-        return attend(block, *rows_of(slots_of(block)), *carry)
+        slots = slots_of(block)
+        k, v = rows_of(slots)
+        if new_kv is not None:  # the step's own key: computed here, not yet in the pool
+            hit = ((slots == slot) & (slot != 0))[:, None]
+            k, v = jnp.where(hit, k_new[None, :], k), jnp.where(hit, v_new[None, :], v)
+        return attend(block, k, v, *carry)
 
     init = (
         jnp.zeros((block_q, head_dim), jnp.float32),
@@ -398,11 +445,39 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     return out
 
 
+@functools.partial(jax.jit, static_argnames=("num_heads", "layer", "scale", "q_norm_index", "k_norm_index",
+                                             "has_v", "v_norm", "eps", "interpret", "num_splits"))
+def paged_attention_qkv(heads, k_stack, v_stack, kv_indices, kv_start, q_lo, q_hi, slots, q_norm, k_norm, cos, sin,
+                        *, num_heads: int, layer: int, scale: float, q_norm_index: tuple, k_norm_index: tuple,
+                        has_v: bool, v_norm: bool, eps: float, interpret: bool | None = None,
+                        num_splits: int | None = None):
+    """A non-shared layer's one-position step from its q/k/v product to its attention in one kernel (with the split
+    merge after it): what `qkv_cache.qkv_cache` (q, k, v normed, q and k rotated, K and V written at `slots`) then
+    `paged_attention` (gather_q) compute, `qkv_cache`'s launch saved.
+
+    heads: the product as heads [B, 1, NH + KVH (+ KVH), D] (`qkv_cache.split_heads`); k_stack, v_stack: the
+    layer stacks [L, S, KVH, D] (`layer`); slots int32[B, 1] (0: a padding row, nothing written); q_norm, k_norm:
+    weight stacks read at their indices; cos, sin [B, 1, D]. Returns (attention [B, 1, NH, D], k_stack, v_stack)."""
+    B, T, _, D = heads.shape
+    KVH = k_stack.shape[-2]
+    if T != 1:
+        raise ValueError(f"paged_attention_qkv takes one position a row, not {T}")
+    G = num_heads // KVH
+    block_q, padded_rows = query_rows(1, G, D)
+    row_lo, row_hi, span = row_ranges(kv_start, q_lo, q_hi, G, padded_rows, kv_indices.shape[1])
+    rope = (None, q_norm, q_norm_index, cos.reshape(B, D), sin.reshape(B, D), eps)
+    out, k_stack, v_stack = paged_attention_rows(
+        heads.reshape(B, -1, D), k_stack, v_stack, kv_indices, kv_start, row_lo, row_hi, span, scale=scale,
+        layer=layer, block_q=block_q, num_splits=num_splits, interpret=interpret, gather_q=(G, num_heads, G),
+        real_rows=G, rope=rope, new_kv=(k_norm, k_norm_index, slots, has_v, v_norm))
+    return out.reshape(B, 1, num_heads, D), k_stack, v_stack
+
+
 def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, *, scale: float = 1.0,
                          layer: int | None = None, block_k: int | None = None, block_q: int | None = None,
                          num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                          interpret: bool | None = None, rope=None, gather_q=None, fixed_splits: bool = False,
-                         real_rows: int | None = None, granule: int | None = None):
+                         real_rows: int | None = None, granule: int | None = None, new_kv=None):
     """`paged_attention` on queries already in the row layout (`query_rows`, `row_ranges`): q_rows [Bq, KVH, R, D],
     row_lo / row_hi int32[B, R], span int32[B, 2], B <= Bq: the first B rows are attended (more query rows may be
     padding of their producer; those output rows are left unwritten). Returns [Bq, KVH, R, D] in q_rows.dtype
@@ -422,7 +497,13 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     granule: pieces of the live span are cut at multiples of this many keys (a power of two, 16 to block_k; default
     block_k): with block_k 64 and granule 32 a short span still makes as many pieces as 32-key blocks would, while a
     long one walks one 64-key block a piece where 32-key blocks walk two, one after the other (a diagnosis knob,
-    `bench/diag_splits.py`; not fixed_splits')."""
+    `bench/diag_splits.py`; not fixed_splits').
+    new_kv: (k_norm stack, its index (a tuple), slots int32[B], has_v, v_norm), with gather_q and its rope, one
+    query a row: q_rows is a non-shared layer's whole q/k/v product as heads [Bq, NH + KVH (+ KVH), D] (`qkv_cache`'s
+    input), k_cache / v_cache the layer stacks (`layer`); the kernel writes the step's K and V at the slots as
+    `qkv_cache` would and attends over them. Returns (out, k_cache, v_cache) then."""
+    if new_kv is not None and (gather_q is None or rope is None or layer is None or gather_q[0] != gather_q[2]):
+        raise ValueError("new_kv takes gather_q with its rope, a layer stack and one query a row")
     if gather_q is None:
         Bq, KVH, padded_rows, D = q_rows.shape
     else:
@@ -462,7 +543,9 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     kernel = functools.partial(_attention_kernel, scale=scale, block_k=block_k, num_splits=num_splits, layer=layer,
                                rope_eps=None if rope is None else rope[5], gather_q=gather_q, fixed_chunk=fixed_chunk,
                                real_rows=real_rows, granule=None if granule == block_k else granule,
-                               rope_index=tuple(rope[2]) if rope is not None and gather_q is not None else None)
+                               rope_index=tuple(rope[2]) if rope is not None and gather_q is not None else None,
+                               new_kv=None if new_kv is None else (gather_q[1], new_kv[3], new_kv[4],
+                                                                   tuple(new_kv[1])))
 
     def whole(shape):  # read by slot or row index inside the kernel
         return pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))
@@ -489,26 +572,35 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
         row = pl.BlockSpec((None, D), lambda b, h, r, s: (b, 0))
         in_specs[6:6] = [in_specs[5], pl.BlockSpec((None, D), lambda b, h, r, s: (q_norm_layer, 0)), row, row]
         args[6:6] = [q_swap, q_norm, cos, sin]
+    kv_specs, kv_shapes = [], []
+    if new_kv is not None:  # the k-norm stack and the write slots; the K / V stacks come back written
+        k_norm, _, slots = new_kv[:3]
+        in_specs[9:9] = [whole(k_norm.shape), whole((B,))]
+        args[9:9] = [k_norm, slots.reshape(-1)[:B].astype(jnp.int32)]
+        kv_specs = [whole(k_cache.shape), whole(v_cache.shape)]
+        kv_shapes = [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                     jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     if gather_q is None:
         out_shape = jax.ShapeDtypeStruct((Bq, KVH, padded_rows, D), q_rows.dtype)
-    else:  # q's own layout, written row by row (`_own_rows`)
-        out_shape = jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype)
+    else:  # q's own layout, written row by row (`_own_rows`): Tq * NH rows (q_rows may hold K and V heads too)
+        out_shape = jax.ShapeDtypeStruct((Bq, gather_q[0] // gather_q[2] * gather_q[1], D), q_rows.dtype)
     out_spec = (pl.BlockSpec((None, None, block_q, D), lambda b, h, r, s: (b, h, r, 0)) if gather_q is None
                 else whole(out_shape.shape))
     if num_splits == 1:  # the program normalises: no partials, no merge
-        out = pl.pallas_call(
+        outs = pl.pallas_call(
             kernel,
             grid=(B, KVH, row_blocks, 1),
             in_specs=in_specs,
-            out_specs=out_spec,
-            out_shape=out_shape,
+            out_specs=[out_spec, *kv_specs],
+            out_shape=[out_shape, *kv_shapes],
+            input_output_aliases={len(args) - 2: 1, len(args) - 1: 2} if new_kv is not None else {},
             compiler_params=params,
             interpret=interpret,
             name="paged_attention",
         )(*args)
-        return out
-    o, m, l = pl.pallas_call(
+        return outs[0] if new_kv is None else tuple(outs)
+    o, m, l, *kv_out = pl.pallas_call(
         kernel,
         grid=(B, KVH, row_blocks, num_splits),
         in_specs=in_specs,
@@ -516,19 +608,22 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
             pl.BlockSpec((None, None, None, block_q, D), lambda b, h, r, s: (b, h, s, r, 0)),
             pl.BlockSpec((None, None, None, block_q), lambda b, h, r, s: (b, h, s, r)),
             pl.BlockSpec((None, None, None, block_q), lambda b, h, r, s: (b, h, s, r)),
+            *kv_specs,
         ],
         out_shape=[
             jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows, D), jnp.float32),
             jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows), jnp.float32),
             jax.ShapeDtypeStruct((B, KVH, num_splits, padded_rows), jnp.float32),
+            *kv_shapes,
         ],
+        input_output_aliases={len(args) - 2: 3, len(args) - 1: 4} if new_kv is not None else {},
         compiler_params=params,
         interpret=interpret,
         name="paged_attention",
     )(*args)
     block_d = merge_block_d(D, num_splits, block_q, B * KVH * row_blocks)
     split_rows = pl.BlockSpec((None, None, num_splits, block_q), lambda b, h, r, d: (b, h, 0, r))
-    return pl.pallas_call(
+    out = pl.pallas_call(
         functools.partial(_merge_kernel, gather_q=gather_q, real_rows=real_rows),
         grid=(B, KVH, row_blocks, D // block_d),
         in_specs=[pl.BlockSpec((None, None, num_splits, block_q, block_d), lambda b, h, r, d: (b, h, 0, r, d)),
@@ -540,6 +635,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
         interpret=interpret,
         name="paged_attention_merge",
     )(o, m, l)
+    return out if new_kv is None else (out, *kv_out)
 
 
 def paged_attention_ref(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, scale: float = 1.0,

@@ -852,7 +852,8 @@ s40-since29)  # issue #14: E4B's bs-1 decode and verify steps (4K) with this tre
       echo "== $step $v run $i (${SECONDS}s, $(PYTHONPATH=$pp python3 -P -c 'import jaxspec; print(jaxspec.__file__)')):" \
         "$(grep -hE '^step of|Error' /tmp/since-$step-$i.log | tr '\n' ' ')"; done; done ;;
 s41-qkv-attn)  # issue #14: a non-shared layer's q/k/v norms, RoPE and K/V write inside its attention kernel
-  # (JAXSPEC_QKV_IN_ATTENTION=1, session 41: 24 launches fewer an E4B decode step, off by default) and session 40's
+  # (JAXSPEC_QKV_IN_ATTENTION, session 41: 24 launches fewer an E4B decode step; on by default since its H100 runs,
+  # kernels -0.9% a step) and session 40's
   # KV-shared q in the kernel (JAXSPEC_SHARED_Q_IN_ATTENTION, on by default) against neither. QKV_LANE=1 (default)
   # first runs their GPU tests (Triton, fp32, -n 8); then decode bs 1 (paged, 4K) traced, one process a run, in
   # QKV_SEQ's order (default "qkv shared base qkv shared base": both on / the default / both off)

@@ -354,31 +354,23 @@ def plain_kernel_launches(oracle, monkeypatch) -> set:
     return set(rows)
 
 
-def test_qkv_kernel_runs_by_default_in_one_position_steps_only(oracle, monkeypatch):
-    """JAXSPEC_QKV_KERNEL unset (the default): plain decoding's one-position steps run `qkv_cache` (interpreted
-    here), a KV-shared layer's q norm and RoPE inside its attention kernel (no `q_rope`), and its prefill chunks run
-    neither; the engine gives transformers' greedy continuations. (That speculative verify steps do not run them:
+@pytest.mark.parametrize("switches, launched", [
+    ({}, set()), ({"JAXSPEC_SHARED_Q_IN_ATTENTION": "0"}, {("q_rope", 4)}),
+    ({"JAXSPEC_QKV_IN_ATTENTION": "0"}, {("qkv_cache", 4)}),
+    ({"JAXSPEC_SHARED_Q_IN_ATTENTION": "0", "JAXSPEC_QKV_IN_ATTENTION": "0"}, {("qkv_cache", 4), ("q_rope", 4)}),
+], ids=["default", "shared-q-off", "qkv-off", "both-off"])
+def test_one_position_steps_norm_and_rotate_in_the_attention_kernel(oracle, monkeypatch, switches, launched):
+    """JAXSPEC_QKV_KERNEL unset (the default): in plain decoding's one-position steps a non-shared layer's q/k/v
+    norms, RoPE and K/V write run inside its attention kernel (`paged_attention_qkv`; JAXSPEC_QKV_IN_ATTENTION=0:
+    `qkv_cache`, one kernel before it) and a KV-shared layer's q norm and RoPE inside its own
+    (JAXSPEC_SHARED_Q_IN_ATTENTION=0: `q_rope` before it); prefill chunks run none of them (interpreted here). With
+    each choice the engine (R 2 with overlap: the K/V written in the attention kernel are read by the next steps
+    and by the KV-shared layers) gives transformers' greedy continuations. (That speculative verify steps run none:
     test_small_buckets_draft_through_the_fused_kernels.)"""
+    for name, value in switches.items():
+        monkeypatch.setenv(name, value)
     rows = plain_kernel_launches(oracle, monkeypatch)
-    assert rows == {("qkv_cache", 4)}, rows  # bucket 4 x 1 position; never an 8-position chunk
-
-
-def test_shared_q_in_attention_off_runs_q_rope(oracle, monkeypatch):
-    """JAXSPEC_SHARED_Q_IN_ATTENTION=0: a KV-shared layer's q is normed and rotated by `q_rope` (one launch) before
-    its attention, as before session 40, in the one-position steps; still transformers' greedy continuations."""
-    monkeypatch.setenv("JAXSPEC_SHARED_Q_IN_ATTENTION", "0")
-    rows = plain_kernel_launches(oracle, monkeypatch)
-    assert rows == {("qkv_cache", 4), ("q_rope", 4)}, rows
-
-
-def test_qkv_in_attention_runs_no_qkv_kernel(oracle, monkeypatch):
-    """JAXSPEC_QKV_IN_ATTENTION=1: in the one-position steps a non-shared layer's q/k/v norms, RoPE and K/V write
-    run inside its attention kernel (`paged_attention_qkv`), so neither `qkv_cache` nor `q_rope` is launched; the
-    engine (R 2 with overlap: the K/V written there are read by the next steps and by the KV-shared layers) gives
-    transformers' greedy continuations."""
-    monkeypatch.setenv("JAXSPEC_QKV_IN_ATTENTION", "1")
-    rows = plain_kernel_launches(oracle, monkeypatch)
-    assert rows == set(), rows
+    assert rows == launched, rows  # bucket 4 x 1 position; never an 8-position chunk
 
 
 def test_staged_inputs_engine_equals_transformers_greedy_and_unstaged_sampling(oracle, monkeypatch):

@@ -133,7 +133,8 @@ def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_hea
 def qkv_kernel_on(meta: StepMetadata) -> bool:
     """Whether a kernel step runs `qkv_cache` / `q_rope` (a layer's q/k/v norms, RoPE and K/V write as one kernel):
     JAXSPEC_QKV_KERNEL=1 every step, =0 none; unset, the one-position steps (plain decoding) outside the
-    batch-invariant mode, where a verify step must compute each position as a decode step does. Measured: E4B's
+    batch-invariant mode, where a verify step must compute each position as a decode step does (there, by default,
+    inside the attention kernel instead: `qkv_attend` and `shared_q` below). Measured: E4B's
     bs-1 decode step -2.7% on the H100 (six runs side by side, session 31), -1.7% on the H200 (one run, session 29);
     the bs-1 verify step tied on the H200 (session 29) and ran 3.6% slower on the H100 (session 31)."""
     switch = env_switch("JAXSPEC_QKV_KERNEL")
@@ -177,8 +178,8 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
             return q_rope(q, q_norm, cos, sin, eps=cfg.rms_norm_eps)
 
         attend.qkv_into_cache, attend.q_rope = qkv_into_cache, q_only
-        if (meta.positions.shape[1] == 1 and env_switch("JAXSPEC_ATTN_GATHER_Q") is not False
-                and env_switch("JAXSPEC_SHARED_Q_IN_ATTENTION") is not False):  # one-position steps
+        one_position = meta.positions.shape[1] == 1 and env_switch("JAXSPEC_ATTN_GATHER_Q") is not False
+        if one_position and env_switch("JAXSPEC_SHARED_Q_IN_ATTENTION") is not False:
             def shared_q(kv, i, q, q_norm: Vec, positions):
                 """A KV-shared layer's q projection [B, 1, NH D] -> (its attention [B, 1, NH, D], kv): q normed and
                 rotated inside the attention kernel (`paged_attention`'s rope_eps), one launch fewer a layer than
@@ -193,27 +194,28 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
                             q_norm_index=tuple(q_norm.index), cos=cos, sin=sin, rope_eps=cfg.rms_norm_eps), kv
 
             attend.shared_q = shared_q
-            if env_switch("JAXSPEC_QKV_IN_ATTENTION") and not meta.invariant:
-                def qkv_attend(kv, i, out, q_norm: Vec, k_norm: Vec, positions):
-                    """A non-shared layer's q/k/v product [B, 1, (NH + KVH (+ KVH)) D] -> (its attention
-                    [B, 1, NH, D], kv with the step's K and V written): the norms, RoPE and K/V write inside the
-                    attention kernel (`paged_attention_qkv`), one launch fewer a layer than `qkv_into_cache` then
-                    `attend` (E4B: 24 a decode step). Off by default (JAXSPEC_QKV_IN_ATTENTION=1: on); None where
-                    the kernel does not take the layer (`qkv_cache.supported`)."""
-                    t, layer = cfg.kv_slot(i)
-                    m, stack = meta.layers[t], kv[t]
-                    if not supported(out, stack.k):
-                        return None
-                    cos, sin = tables(i, positions, out.dtype)
-                    heads = out.reshape(out.shape[0], 1, -1, cfg.layer_head_dim(i))
-                    a, k, v = paged_attention_qkv(
-                        heads, stack.k, stack.v, m.read, m.kv_start, m.q_lo, m.q_hi, m.write, q_norm.stack,
-                        k_norm.stack, cos, sin, num_heads=cfg.num_heads, layer=layer, scale=cfg.query_scale,
-                        q_norm_index=tuple(q_norm.index), k_norm_index=tuple(k_norm.index),
-                        has_v=cfg.has_v_proj(i), v_norm=cfg.use_v_norm, eps=cfg.rms_norm_eps)
-                    return a, {**kv, t: LayerKV(k=k, v=v)}
+        if one_position and env_switch("JAXSPEC_QKV_IN_ATTENTION") is not False and not meta.invariant:
+            def qkv_attend(kv, i, out, q_norm: Vec, k_norm: Vec, positions):
+                """A non-shared layer's q/k/v product [B, 1, (NH + KVH (+ KVH)) D] -> (its attention
+                [B, 1, NH, D], kv with the step's K and V written): the norms, RoPE and K/V write inside the
+                attention kernel (`paged_attention_qkv`), one launch fewer a layer than `qkv_into_cache` then
+                `attend` (E4B: 24 a decode step; its kernels' time a step 0.9% lower on the H100, session 41).
+                JAXSPEC_QKV_IN_ATTENTION=0: qkv_into_cache, then attend. None where the kernel does not take
+                the layer (`qkv_cache.supported`)."""
+                t, layer = cfg.kv_slot(i)
+                m, stack = meta.layers[t], kv[t]
+                if not supported(out, stack.k):
+                    return None
+                cos, sin = tables(i, positions, out.dtype)
+                heads = out.reshape(out.shape[0], 1, -1, cfg.layer_head_dim(i))
+                a, k, v = paged_attention_qkv(
+                    heads, stack.k, stack.v, m.read, m.kv_start, m.q_lo, m.q_hi, m.write, q_norm.stack,
+                    k_norm.stack, cos, sin, num_heads=cfg.num_heads, layer=layer, scale=cfg.query_scale,
+                    q_norm_index=tuple(q_norm.index), k_norm_index=tuple(k_norm.index),
+                    has_v=cfg.has_v_proj(i), v_norm=cfg.use_v_norm, eps=cfg.rms_norm_eps)
+                return a, {**kv, t: LayerKV(k=k, v=v)}
 
-                attend.qkv_attend = qkv_attend
+            attend.qkv_attend = qkv_attend
     return attend
 
 

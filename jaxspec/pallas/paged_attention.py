@@ -176,7 +176,7 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
         rope = _gathered_rope_operands(q_ref, qn_ref, cos_ref, sin_ref, b, r, rope_index)
 
     if new_kv is not None:  # loads issued with q's
-        k_new, v_new = _new_kv_operands(q_ref, kn_ref, b, h, new_kv)
+        k_operands, v_raw = _new_kv_operands(q_ref, kn_ref, b, h, new_kv)
         slot = slot_ref[b]
     first = span_ref[b, 0]
     last = span_ref[b, 1]
@@ -188,7 +188,7 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     if rope_eps is not None:
         q = _norm_rope(q, *rope, rope_eps)
     if new_kv is not None:
-        k_new, v_new = _new_kv(*k_new, v_new, rope[3], rope[4], rope_eps, v_norm=new_kv[2], dtype=k_out.dtype)
+        k_new, v_new = _new_kv(*k_operands, v_raw, rope[3], rope[4], rope_eps, v_norm=new_kv[2], dtype=k_out.dtype)
 
         @pl.when((slot != 0) & (pl.program_id(2) == 0) & (split == 0))
         def _():  # one program a row and kv head stores them (what it stores, no program reads)

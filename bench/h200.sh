@@ -862,9 +862,7 @@ s41-qkv-attn)  # issue #14: a non-shared layer's q/k/v norms, RoPE and K/V write
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-170} python3 -m pytest -v -p no:cacheprovider --tb=short \
       -rfE -n ${WORKERS:-8} ${QKV_TESTS:-tests/test_kernels.py::test_qkv_in_the_attention_kernel_matches_reference \
       tests/test_kernels.py::test_shared_q_norm_rope_in_the_kernel_matches_reference \
-      tests/test_rounds.py::test_qkv_in_attention_runs_no_qkv_kernel \
-      tests/test_rounds.py::test_qkv_kernel_runs_by_default_in_one_position_steps_only \
-      tests/test_rounds.py::test_shared_q_in_attention_off_runs_q_rope tests/test_paged.py} > "$OUT/tests-qkv-attn.txt" 2>&1
+      tests/test_rounds.py::test_one_position_steps_norm_and_rotate_in_the_attention_kernel tests/test_paged.py} > "$OUT/tests-qkv-attn.txt" 2>&1
     grep -E "(passed|failed).* in |^FAILED|^ERROR" "$OUT/tests-qkv-attn.txt" | tail -12; fi
   i=0; for v in ${QKV_SEQ:-qkv shared base qkv shared base}; do i=$((i + 1))
     [ $SECONDS -lt ${QKV_BUDGET:-480} ] || { echo "== time: stopped before run $i"; break; }
@@ -886,8 +884,8 @@ s40-shared-q)  # issue #14: a KV-shared layer's q norm and RoPE inside its atten
     need_xdist
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider --tb=short \
       -rfE -n ${WORKERS:-8} --dist loadgroup ${SHARED_TESTS:-tests/test_kernels.py::test_shared_q_norm_rope_in_the_kernel_matches_reference \
-      tests/test_rounds.py::test_qkv_kernel_runs_by_default_in_one_position_steps_only \
-      tests/test_rounds.py::test_shared_q_in_attention_off_runs_q_rope tests/test_paged.py} > "$OUT/tests-shared-q.txt" 2>&1
+      tests/test_rounds.py::test_one_position_steps_norm_and_rotate_in_the_attention_kernel \
+      tests/test_paged.py} > "$OUT/tests-shared-q.txt" 2>&1
     grep -E "(passed|failed).* in |^FAILED|^ERROR" "$OUT/tests-shared-q.txt" | tail -12; fi
   i=0; for v in ${SHARED_SEQ:-1 0 1 0}; do i=$((i + 1))
     [ $SECONDS -lt ${SHARED_BUDGET:-480} ] || { echo "== time: stopped before run $i"; break; }

@@ -851,6 +851,30 @@ s40-since29)  # issue #14: E4B's bs-1 decode and verify steps (4K) with this tre
       cat /tmp/since-$step-$i.log >> "$OUT/since29.log"
       echo "== $step $v run $i (${SECONDS}s, $(PYTHONPATH=$pp python3 -P -c 'import jaxspec; print(jaxspec.__file__)')):" \
         "$(grep -hE '^step of|Error' /tmp/since-$step-$i.log | tr '\n' ' ')"; done; done ;;
+s42-verify-attn)  # issue #14: a verify step's q/k/v norms, RoPE and K/V write (non-shared layers) and q norm and RoPE
+  # (KV-shared layers) inside the attention kernels (JAXSPEC_VERIFY_IN_ATTENTION, session 42) against XLA's fusions and
+  # scatters. VERIFY_LANE=1 (default) first runs the GPU tests (Triton, fp32, -n 8: the kernels' multi-position
+  # cases, the engine against transformers' greedy with the switch on and off, test_paged); then E4B verify (4K,
+  # 4 positions) at VERIFY_BS (default 1) traced, one process a run, in VERIFY_SEQ's order (default "1 0 1 0")
+  if [[ ${VERIFY_LANE:-1} == 1 ]]; then
+    need_xdist
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider --tb=short \
+      -rfE -n ${WORKERS:-8} ${VERIFY_TESTS:-tests/test_kernels.py::test_qkv_in_the_attention_kernel_matches_reference \
+      tests/test_kernels.py::test_shared_q_norm_rope_in_the_kernel_matches_reference \
+      tests/test_rounds.py::test_verify_steps_norm_and_rotate_in_the_attention_kernel tests/test_paged.py} \
+      > "$OUT/tests-verify-attn.txt" 2>&1
+    grep -E "(passed|failed).* in |^FAILED|^ERROR" "$OUT/tests-verify-attn.txt" | tail -12; fi
+  i=0; for v in ${VERIFY_SEQ:-1 0 1 0}; do i=$((i + 1))
+    [ $SECONDS -lt ${VERIFY_BUDGET:-480} ] || { echo "== time: stopped before run $i"; break; }
+    rm -rf /tmp/va-prof
+    JAXSPEC_VERIFY_IN_ATTENTION=$v XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true \
+      timeout ${VERIFY_TIMEOUT:-150} python3 -m jaxspec.bench verify --bs ${VERIFY_BS:-1} --profile-dir /tmp/va-prof \
+      --json "$OUT/verify-attn-$v-run$i.json" > /tmp/va-$i.log 2>&1
+    timeout 90 python3 -m jaxspec.bench trace /tmp/va-prof --rounds 20 --top 40 \
+      --json "$OUT/trace-verify-attn-$v-run$i.json" >> /tmp/va-$i.log 2>&1
+    cat /tmp/va-$i.log >> "$OUT/verify-attn.log"
+    echo "== VERIFY_IN_ATTENTION=$v run $i (${SECONDS}s): $(grep -hE '^step of|^trace|Error' /tmp/va-$i.log | tr '\n' ' ')"
+  done ;;
 s41-qkv-attn)  # issue #14: a non-shared layer's q/k/v norms, RoPE and K/V write inside its attention kernel
   # (JAXSPEC_QKV_IN_ATTENTION, session 41: 24 launches fewer an E4B decode step; on by default since its H100 runs,
   # kernels -0.9% a step) and session 40's

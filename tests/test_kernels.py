@@ -186,24 +186,25 @@ def test_granule_pieces_match_reference(case):
 
 
 def shared_q_case(case: int, seed: int = 3):
-    """A tq-1 case of ATTENTION_CASES with a KV-shared layer's raw q projection [B, 1, NH D], a q-norm stack [3, D]
-    read at (1,), and a row's cos / sin fp32 [B, 1, D]: (batch, inputs, q_raw, q_norm, cos, sin)."""
+    """A case of ATTENTION_CASES with a KV-shared layer's raw q projection [B, tq, NH D], a q-norm stack [3, D]
+    read at (1,), and each query's cos / sin fp32 [B, tq, D]: (batch, inputs, q_raw, q_norm, cos, sin)."""
     g, tq, d, dtype, window, cached, tuning = ATTENTION_CASES[case]
-    assert tq == 1
     rng = np.random.default_rng(seed)
     batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
     x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
     B = x.q.shape[0]
-    q_raw = jnp.asarray(3 * rng.standard_normal((B, 1, 2 * g * d)), dtype)
+    q_raw = jnp.asarray(3 * rng.standard_normal((B, tq, 2 * g * d)), dtype)
     q_norm = jnp.asarray(rng.standard_normal((3, d)), jnp.float32)
-    angles = rng.uniform(-np.pi, np.pi, (B, 1, d))
+    angles = rng.uniform(-np.pi, np.pi, (B, tq, d))
     return batch, x, q_raw, q_norm, jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
 
 
-@pytest.mark.parametrize("case", [0, 2, 6], ids=["g1-d16-s1", "g4-d16-swa-s2", "g2-d512-s2"])
+@pytest.mark.parametrize("case", [0, 2, 6, 3, 5],
+                         ids=["g1-d16-s1", "g4-d16-swa-s2", "g2-d512-s2", "g4-tq4-d16-s2", "g2-tq4-d256-swa-bf16"])
 def test_shared_q_norm_rope_in_the_kernel_matches_reference(case):
     """A KV-shared layer's q normed and rotated inside the attention kernel (`rope_eps`: q's rotate-half partner
-    gathered from q itself) against `q_rope_ref` then the reference attention, on the poisoned pools."""
+    gathered from q itself; with several queries a row, each row's own RoPE tables) against `q_rope_ref` then the
+    reference attention, on the poisoned pools."""
     batch, x, q_raw, q_norm, cos, sin = shared_q_case(case)
     tuning, dtype = ATTENTION_CASES[case][6], ATTENTION_CASES[case][3]
     got = paged_attention(q_raw.reshape(*x.q.shape), x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo,
@@ -219,47 +220,52 @@ def test_shared_q_norm_rope_in_the_kernel_matches_reference(case):
 
 QKV_CASES = [  # case of ATTENTION_CASES, dtype, has_v, v_norm
     (0, jnp.float32, True, True), (2, jnp.bfloat16, True, True), (2, jnp.float32, False, True),
-    (6, jnp.float32, True, False),
+    (6, jnp.float32, True, False), (1, jnp.float32, True, True), (4, jnp.float32, False, True),
+    (5, jnp.bfloat16, True, True),
 ]
 
 
 @pytest.mark.parametrize("case, dtype, has_v, v_norm", QKV_CASES,
-                         ids=["g1-d16-s1", "g4-d16-swa-s2-bf16", "g4-d16-swa-s2-k-eq-v", "g2-d512-s2-no-vnorm"])
+                         ids=["g1-d16-s1", "g4-d16-swa-s2-bf16", "g4-d16-swa-s2-k-eq-v", "g2-d512-s2-no-vnorm",
+                              "g2-tq4-d16-swa-s3", "g8-tq4-d16-2blocks-k-eq-v", "g2-tq4-d256-swa-bf16"])
 def test_qkv_in_the_attention_kernel_matches_reference(case, dtype, has_v, v_norm):
-    """A non-shared layer's one-position step in one attention kernel (`paged_attention_qkv`: q, k, v normed, q and
-    k rotated, K and V written at the write slots and attended) against `qkv_cache_ref` then the reference attention,
-    on a layer stack whose other layer and unread slots are NaN and whose write slots hold NaN before the step (the
-    key walk must take the step's own K and V, not the pool's). The stacks come back with the reference's K and V
-    at the write slots and every other entry as it was; the padding row writes nothing."""
+    """A non-shared layer's step in one attention kernel (`paged_attention_qkv`: q, k, v normed, q and k rotated,
+    K and V written at the write slots and attended; one position a row, or a verify's four, each query seeing the
+    step's earlier keys) against `qkv_cache_ref` then the reference attention, on a layer stack whose other layer and
+    unread slots are NaN and whose write slots hold NaN before the step (the key walk must take the step's own K and
+    V, not the pool's). The stacks come back with the reference's K and V at the write slots and every other entry as
+    it was; the padding row writes nothing."""
     g, tq, d, _, window, cached, tuning = ATTENTION_CASES[case]
     rng = np.random.default_rng(5)
     batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
     x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
     B, NH = x.q.shape[0], 2 * g
-    heads = jnp.asarray(3 * rng.standard_normal((B, 1, NH + 2 * (2 if has_v else 1), d)), dtype)
+    heads = jnp.asarray(3 * rng.standard_normal((B, tq, NH + 2 * (2 if has_v else 1), d)), dtype)
     norms = jnp.asarray(rng.standard_normal((2, 3, d)), jnp.float32)  # q's at (0, 1), k's at (1, 2)
-    angles = rng.uniform(-np.pi, np.pi, (B, 1, d))
+    angles = rng.uniform(-np.pi, np.pi, (B, tq, d))
     cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
-    entry = np.asarray(batch.q_hi)[:, 0] - np.asarray(batch.starts)
-    slots = np.where(entry >= 0, np.asarray(x.indices)[np.arange(B), np.maximum(entry, 0)], 0).astype(np.int32)
-    assert slots[-1] == 0 and (slots[:-1] > 0).all()  # the padding row writes nothing
+    entry = np.asarray(batch.q_hi) - np.asarray(batch.starts)[:, None]  # [B, tq]
+    slots = np.where(entry >= 0, np.asarray(x.indices)[np.arange(B)[:, None], np.maximum(entry, 0)], 0)
+    slots = slots.astype(np.int32)
+    assert (slots[-1] == 0).all() and (slots[:-1] > 0).all()  # the padding row writes nothing
+    written = slots[:-1].reshape(-1)
     nan = jnp.full((1, *x.k.shape), jnp.nan, dtype)
-    k_bad = jnp.concatenate([nan, x.k_bad[None]]).at[1, slots[:-1]].set(jnp.nan)  # layer 1; layer 0 NaN
-    v_bad = jnp.concatenate([nan, x.v_bad[None]]).at[1, slots[:-1]].set(jnp.nan)
-    slots = jnp.asarray(slots[:, None])
+    k_bad = jnp.concatenate([nan, x.k_bad[None]]).at[1, written].set(jnp.nan)  # layer 1; layer 0 NaN
+    v_bad = jnp.concatenate([nan, x.v_bad[None]]).at[1, written].set(jnp.nan)
+    slots = jnp.asarray(slots)
     got, k_got, v_got = paged_attention_qkv(
         heads, k_bad, v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, slots, norms, norms, cos, sin,
         num_heads=NH, layer=1, scale=0.3, q_norm_index=(0, 1), k_norm_index=(1, 2), has_v=has_v, v_norm=v_norm,
         eps=1e-6, num_splits=tuning.get("num_splits"))
     clean = (jnp.stack([x.k, x.k]), jnp.stack([x.v, x.v]))
-    q, k_want, v_want = qkv_cache_ref(heads.reshape(B, 1, -1), Vec(norms, (0, 1)), Vec(norms, (1, 2)), cos, sin,
+    q, k_want, v_want = qkv_cache_ref(heads.reshape(B, tq, -1), Vec(norms, (0, 1)), Vec(norms, (1, 2)), cos, sin,
                                       *clean, 1, slots, num_heads=NH, has_v=has_v, v_norm=v_norm, eps=1e-6)
     want = paged_attention_ref(q, k_want, v_want, x.indices, batch.starts, batch.q_lo, batch.q_hi, scale=0.3, layer=1)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
-    s = np.asarray(slots[:-1, 0])
+    s = written
     for stack, written, before in ((k_got, k_want, k_bad), (v_got, v_want, v_bad)):
         stack, written = np.asarray(stack.astype(jnp.float32)), np.asarray(written.astype(jnp.float32))
         np.testing.assert_allclose(stack[1, s], written[1, s], rtol=tol, atol=tol)
@@ -438,28 +444,29 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
                  spec((4096, 2, 512), jnp.bfloat16), spec((1, 4096), jnp.int32), spec((1,), jnp.int32),
                  spec((1, 1), jnp.int32), spec((1, 1), jnp.int32))
     assert text.count("__gpu$xla.gpu.triton") == 2
-    # a KV-shared layer's q normed and rotated in the attention kernel (E4B's sliding and global head dims)
-    for d in (256, 512):
+    # a KV-shared layer's q normed and rotated in the attention kernel (E4B's sliding and global head dims; a
+    # decode step's one position a row and a verify's four)
+    for d, tq in itertools.product((256, 512), (1, 4)):
         text = lower(lambda q, k, v, i, s, lo, hi, qn, c, sn: paged_attention(
                          q, k, v, i, s, lo, hi, interpret=False, gather_q=True, q_norm=qn, q_norm_index=(3,), cos=c,
                          sin=sn, rope_eps=1e-6),
-                     spec((2, 1, 8, d), jnp.bfloat16), spec((4096, 2, d), jnp.bfloat16),
+                     spec((2, tq, 8, d), jnp.bfloat16), spec((4096, 2, d), jnp.bfloat16),
                      spec((4096, 2, d), jnp.bfloat16), spec((2, 640), jnp.int32), spec((2,), jnp.int32),
-                     spec((2, 1), jnp.int32), spec((2, 1), jnp.int32), spec((7, d), jnp.float32),
-                     spec((2, 1, d), jnp.float32), spec((2, 1, d), jnp.float32))
-        assert text.count("__gpu$xla.gpu.triton") == 2, d
+                     spec((2, tq), jnp.int32), spec((2, tq), jnp.int32), spec((7, d), jnp.float32),
+                     spec((2, tq, d), jnp.float32), spec((2, tq, d), jnp.float32))
+        assert text.count("__gpu$xla.gpu.triton") == 2, (d, tq)
     # a non-shared layer's norms, RoPE and K/V write in the attention kernel (E4B's sliding layer, its global
-    # layer without a V projection): the stacks aliased, no scatter beside the kernels
-    for d, has_v in ((256, True), (512, False)):
+    # layer without a V projection; one position a row and four): the stacks aliased, no scatter beside the kernels
+    for (d, has_v), tq in itertools.product(((256, True), (512, False)), (1, 4)):
         text = lower(lambda hd, k, v, i, s, lo, hi, sl, qn, kn, c, sn, has_v=has_v: paged_attention_qkv(
                          hd, k, v, i, s, lo, hi, sl, qn, kn, c, sn, num_heads=8, layer=1, scale=1.0,
                          q_norm_index=(3,), k_norm_index=(4,), has_v=has_v, v_norm=True, eps=1e-6, interpret=False),
-                     spec((2, 1, 8 + (4 if has_v else 2), d), jnp.bfloat16), spec((3, 4096, 2, d), jnp.bfloat16),
+                     spec((2, tq, 8 + (4 if has_v else 2), d), jnp.bfloat16), spec((3, 4096, 2, d), jnp.bfloat16),
                      spec((3, 4096, 2, d), jnp.bfloat16), spec((2, 640), jnp.int32), spec((2,), jnp.int32),
-                     spec((2, 1), jnp.int32), spec((2, 1), jnp.int32), spec((2, 1), jnp.int32),
-                     spec((7, d), jnp.float32), spec((7, d), jnp.float32), spec((2, 1, d), jnp.float32),
-                     spec((2, 1, d), jnp.float32))
-        assert text.count("__gpu$xla.gpu.triton") == 2 and "scatter" not in text, d
+                     spec((2, tq), jnp.int32), spec((2, tq), jnp.int32), spec((2, tq), jnp.int32),
+                     spec((7, d), jnp.float32), spec((7, d), jnp.float32), spec((2, tq, d), jnp.float32),
+                     spec((2, tq, d), jnp.float32))
+        assert text.count("__gpu$xla.gpu.triton") == 2 and "scatter" not in text, (d, tq)
     for swa in (None, spec((4096,), jnp.int32)):
         text = lower(
             lambda t, s, e, m: gather_kv_indices(t, s, e, m, width=131072, page_size=16, interpret=False),

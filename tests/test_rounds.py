@@ -331,10 +331,12 @@ def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch, swit
 def test_qkv_kernel_engine_equals_transformers_greedy(oracle, monkeypatch):
     """JAXSPEC_QKV_KERNEL=1 (by default one-position steps only): a non-shared layer's q/k/v norms, RoPE and K/V
     write as one kernel (`qkv_cache.qkv_cache`), a KV-shared layer's q norm and RoPE as one (`q_rope`), interpreted
-    here, in prefill chunks and verify steps; at R 2 with overlap the engine gives transformers' greedy
-    continuations. (Their comparisons with the references: tests/test_qkv_cache.py.)"""
+    here, in prefill chunks and verify steps (JAXSPEC_VERIFY_IN_ATTENTION=0: else steps of up to
+    MAX_NEW_KV_QUERIES positions run them inside the attention kernel); at R 2 with overlap the engine gives
+    transformers' greedy continuations. (Their comparisons with the references: tests/test_qkv_cache.py.)"""
     rows = qkv_launches(monkeypatch)
     monkeypatch.setenv("JAXSPEC_QKV_KERNEL", "1")
+    monkeypatch.setenv("JAXSPEC_VERIFY_IN_ATTENTION", "0")
     got, want = kernels_greedy(oracle)
     assert got == want
     for name in ("qkv_cache", "q_rope"):  # the oracle's KV-shared layers run q_rope
@@ -371,6 +373,40 @@ def test_one_position_steps_norm_and_rotate_in_the_attention_kernel(oracle, monk
         monkeypatch.setenv(name, value)
     rows = plain_kernel_launches(oracle, monkeypatch)
     assert rows == launched, rows  # bucket 4 x 1 position; never an 8-position chunk
+
+
+@pytest.mark.parametrize("switch", [None, "0"], ids=["default", "off"])
+def test_verify_steps_norm_and_rotate_in_the_attention_kernel(oracle, monkeypatch, switch):
+    """JAXSPEC_VERIFY_IN_ATTENTION (default on): in a verify step's k + 1 positions too, a non-shared layer's q/k/v
+    norms, RoPE and K/V write run inside its attention kernel (`paged_attention_qkv`: each program computes the
+    step's four keys of its kv head and takes them wherever the walk meets their slots) and a KV-shared layer's q
+    norm and RoPE inside its own (RoPE tables per query row), where XLA ran norm and rotation fusions and two
+    scatters; 0 brings those back. Either way the engine (kernels interpreted, k 3, R 2 with overlap: the K/V a
+    verify writes are read by the drafter, the KV-shared layers and the later rounds) gives transformers' greedy
+    continuations, and the 4-position attention calls took the raw projections (and the K/V heads) as the switch
+    says."""
+    import jaxspec.pallas.paged_attention as pa
+
+    monkeypatch.delenv("JAXSPEC_VERIFY_IN_ATTENTION", raising=False)
+    if switch is not None:
+        monkeypatch.setenv("JAXSPEC_VERIFY_IN_ATTENTION", switch)
+    seen = []  # (queries a row, q normed and rotated in the kernel, K/V computed and written in it) of each call
+    real = pa.paged_attention_rows
+    pa.paged_attention.clear_cache()  # jitted: earlier traces of these shapes would hide the inner calls
+    pa.paged_attention_qkv.clear_cache()
+
+    def spy(*a, **kw):
+        if kw.get("gather_q") is not None:
+            rows, _, group = kw["gather_q"]
+            seen.append((rows // group, kw.get("rope") is not None, kw.get("new_kv") is not None))
+        return real(*a, **{**kw, "block_k": 16})  # both pieces of a row hold keys at these short contexts
+
+    monkeypatch.setattr(pa, "paged_attention_rows", spy)
+    got, want = kernels_greedy(oracle)
+    assert got == want
+    verify = {(rope, new) for queries, rope, new in seen if queries == 4}
+    # the oracle's sliding layers (head_dim 16: halves of 8, `qkv_cache.supported` refuses) keep XLA's q/k/v step
+    assert verify == ({(True, True), (True, False), (False, False)} if switch is None else {(False, False)}), verify
 
 
 def test_staged_inputs_engine_equals_transformers_greedy_and_unstaged_sampling(oracle, monkeypatch):

@@ -122,13 +122,14 @@ def stored_params(params, tensor_parallel_size: int = 1) -> dict:
     return params
 
 
-def qkv(w, cfg: TargetConfig, i: int, h, positions):
-    """Projected, normed and rotated q [B,T,NH,d] and, for a non-shared layer, k, v [B,T,KVH,d] (else None)."""
+def qkv(w, cfg: TargetConfig, i: int, h, positions, out=None):
+    """Projected, normed and rotated q [B,T,NH,d] and, for a non-shared layer, k, v [B,T,KVH,d] (else None).
+    out: the fused stack's product of h where the caller has it already."""
     B, T = positions.shape
     eps, d = cfg.rms_norm_eps, cfg.layer_head_dim(i)
     rope = cfg.rope(cfg.layer_types[i])
     if "qkv_proj" in w:  # fuse_qkv's stack: one product; q's rows first, then K's and V's (equal) or K's alone
-        out = vec_linear(h, w.vec("qkv_proj"))
+        out = vec_linear(h, w.vec("qkv_proj")) if out is None else out
         if env_switch("JAXSPEC_JOINT_QK_NORM") is not False:
             return joint_qkv(w, cfg, i, out, positions)
         q, kv = out[..., : cfg.num_heads * d], out[..., cfg.num_heads * d:]
@@ -172,20 +173,22 @@ def decoder_layer(w: LayerWeights, cfg: TargetConfig, i: int, x, h, positions, p
     into_cache = getattr(attend, "qkv_into_cache", None)  # `cache.qkv_kernel_on`: norms, RoPE, K/V write in one kernel
     shared_q = getattr(attend, "shared_q", None)  # a KV-shared layer's q norm and RoPE in the attention kernel
     qkv_attend = getattr(attend, "qkv_attend", None)  # a non-shared layer's too, and its K/V write
+    shared = "q_proj" in w and "k_proj" not in w  # a KV-shared layer: q's norm and RoPE only
     a = None
-    if into_cache is not None and "qkv_proj" in w:
+    if "qkv_proj" in w and (into_cache is not None or qkv_attend is not None):
         out = vec_linear(h, w.vec("qkv_proj"))
         done = None if qkv_attend is None else qkv_attend(cache, i, out, w.vec("q_norm"), w.vec("k_norm"), positions)
-        if done is None:
-            q, cache = into_cache(cache, i, out, w.vec("q_norm"), w.vec("k_norm"), positions)
-        else:
+        if done is not None:
             a, cache = done
-        k = v = None  # written
-    elif into_cache is not None and "q_proj" in w and "k_proj" not in w:  # a KV-shared layer: q's norm and RoPE
-        if shared_q is not None:
-            a, cache = shared_q(cache, i, vec_linear(h, w.vec("q_proj")), w.vec("q_norm"), positions)
+        elif into_cache is not None:
+            q, cache = into_cache(cache, i, out, w.vec("q_norm"), w.vec("k_norm"), positions)
+            k = v = None  # written
         else:
-            q, k, v = attend.q_rope(i, vec_linear(h, w.vec("q_proj")), w.vec("q_norm"), positions), None, None
+            q, k, v = qkv(w, cfg, i, h, positions, out=out)
+    elif shared and shared_q is not None:
+        a, cache = shared_q(cache, i, vec_linear(h, w.vec("q_proj")), w.vec("q_norm"), positions)
+    elif shared and into_cache is not None:
+        q, k, v = attend.q_rope(i, vec_linear(h, w.vec("q_proj")), w.vec("q_norm"), positions), None, None
     else:
         q, k, v = qkv(w, cfg, i, h, positions)
     if a is None:

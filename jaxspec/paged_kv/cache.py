@@ -21,8 +21,9 @@ from jaxspec.paged_kv.metadata import CacheSpec, StepMetadata
 from jaxspec.paged_kv.pool import PagePool
 from jaxspec.pallas.qkv_cache import q_rope, qkv_cache, supported, write_rows
 from jaxspec.pallas.row_norms import Vec
-from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_qkv,
-                                            paged_attention_ref, paged_attention_rows, query_rows, row_ranges)
+from jaxspec.pallas.paged_attention import (MAX_NEW_KV_QUERIES, paged_attention, paged_attention_blocked,
+                                            paged_attention_qkv, paged_attention_ref, paged_attention_rows,
+                                            query_rows, row_ranges)
 
 MAX_KERNEL_QUERIES = 16  # q_len above this (prefill chunks) uses the XLA path (paged_attention_blocked)
 
@@ -143,6 +144,21 @@ def qkv_kernel_on(meta: StepMetadata) -> bool:
     return meta.positions.shape[1] == 1 and not meta.invariant
 
 
+def in_attention_on(meta: StepMetadata, kernels: bool) -> bool:
+    """Whether a step's q norm and RoPE (a KV-shared layer's, `shared_q`) and a non-shared layer's q/k/v step with
+    its K/V write (`qkv_attend`) may run inside the attention kernel (each under its own switch): the kernels on one
+    device with q read in its own layout (JAXSPEC_ATTN_GATHER_Q), and one position a row where `qkv_kernel_on` says
+    so, or a verify step's 2 to MAX_NEW_KV_QUERIES positions under JAXSPEC_VERIFY_IN_ATTENTION outside the
+    batch-invariant mode (there a verify step computes each position as the decode step does)."""
+    if not kernels or env_switch("JAXSPEC_ATTN_GATHER_Q") is False:
+        return False
+    T = meta.positions.shape[1]
+    if T == 1:
+        return qkv_kernel_on(meta)
+    return (T <= MAX_NEW_KV_QUERIES and not meta.invariant
+            and env_switch("JAXSPEC_VERIFY_IN_ATTENTION") is not False)
+
+
 def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, mesh=None):
     """An `Attend` over the paged cache: scatter the new K/V to the write slots, attend over the read window. mesh:
     the tensor-parallel mesh (`jaxspec.parallel`), where the kernels run per device."""
@@ -156,10 +172,10 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
                           fixed_splits=meta.invariant)
         return attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi), kv
 
-    if use_kernels and mesh is None and qkv_kernel_on(meta):
-        def tables(i, positions, dtype):  # layer i's RoPE cos, sin [B, T, D] in dtype's accumulation type
-            return rope_tables(positions, cfg.rope(cfg.layer_types[i]), cfg.layer_head_dim(i), acc_dtype(dtype))
+    def tables(i, positions, dtype):  # layer i's RoPE cos, sin [B, T, D] in dtype's accumulation type
+        return rope_tables(positions, cfg.rope(cfg.layer_types[i]), cfg.layer_head_dim(i), acc_dtype(dtype))
 
+    if use_kernels and mesh is None and qkv_kernel_on(meta):
         def qkv_into_cache(kv, i, out, q_norm: Vec, k_norm: Vec, positions):
             """A non-shared layer's fused q/k/v product `out` [B, T, (NH + KVH (+ KVH)) D] -> (q normed and rotated,
             kv with the step's K and V written): `qkv_cache`, one kernel for what `gemma4.joint_qkv` and the scatter
@@ -178,44 +194,47 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
             return q_rope(q, q_norm, cos, sin, eps=cfg.rms_norm_eps)
 
         attend.qkv_into_cache, attend.q_rope = qkv_into_cache, q_only
-        one_position = meta.positions.shape[1] == 1 and env_switch("JAXSPEC_ATTN_GATHER_Q") is not False
-        if one_position and env_switch("JAXSPEC_SHARED_Q_IN_ATTENTION") is not False:
-            def shared_q(kv, i, q, q_norm: Vec, positions):
-                """A KV-shared layer's q projection [B, 1, NH D] -> (its attention [B, 1, NH, D], kv): q normed and
-                rotated inside the attention kernel (`paged_attention`'s rope_eps), one launch fewer a layer than
-                `q_only` then `attend` (E4B: 18 a decode step). JAXSPEC_SHARED_Q_IN_ATTENTION=0: q_only, then attend."""
-                t, layer = cfg.kv_slot(i)
-                m = meta.layers[t]
-                q = q.reshape(q.shape[0], 1, -1, cfg.layer_head_dim(i))
-                attn = _attend_fn(True, 1, None, q.shape[2], kv[t].k.shape[2], layer, scale=cfg.query_scale,
-                                  fixed_splits=meta.invariant)  # the kernel, gather_q on (checked above)
-                cos, sin = tables(i, positions, q.dtype)
-                return attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi, q_norm=q_norm.stack,
-                            q_norm_index=tuple(q_norm.index), cos=cos, sin=sin, rope_eps=cfg.rms_norm_eps), kv
+    if not in_attention_on(meta, use_kernels and mesh is None):
+        return attend
+    T = meta.positions.shape[1]
+    if env_switch("JAXSPEC_SHARED_Q_IN_ATTENTION") is not False:
+        def shared_q(kv, i, q, q_norm: Vec, positions):
+            """A KV-shared layer's q projection [B, T, NH D] -> (its attention [B, T, NH, D], kv): q normed and
+            rotated inside the attention kernel (`paged_attention`'s rope_eps), one launch fewer a layer than
+            `q_only` then `attend` (E4B: 18 a decode step), two fewer than XLA's norm and rotation.
+            JAXSPEC_SHARED_Q_IN_ATTENTION=0: q_only (or XLA's), then attend."""
+            t, layer = cfg.kv_slot(i)
+            m = meta.layers[t]
+            q = q.reshape(q.shape[0], T, -1, cfg.layer_head_dim(i))
+            attn = _attend_fn(True, T, None, q.shape[2], kv[t].k.shape[2], layer, scale=cfg.query_scale,
+                              fixed_splits=meta.invariant)  # the kernel, gather_q on (`in_attention_on`)
+            cos, sin = tables(i, positions, q.dtype)
+            return attn(q, kv[t].k, kv[t].v, m.read, m.kv_start, m.q_lo, m.q_hi, q_norm=q_norm.stack,
+                        q_norm_index=tuple(q_norm.index), cos=cos, sin=sin, rope_eps=cfg.rms_norm_eps), kv
 
-            attend.shared_q = shared_q
-        if one_position and env_switch("JAXSPEC_QKV_IN_ATTENTION") is not False and not meta.invariant:
-            def qkv_attend(kv, i, out, q_norm: Vec, k_norm: Vec, positions):
-                """A non-shared layer's q/k/v product [B, 1, (NH + KVH (+ KVH)) D] -> (its attention
-                [B, 1, NH, D], kv with the step's K and V written): the norms, RoPE and K/V write inside the
-                attention kernel (`paged_attention_qkv`), one launch fewer a layer than `qkv_into_cache` then
-                `attend` (E4B: 24 a decode step; its kernels' time a step 0.9% lower on the H100, session 41).
-                JAXSPEC_QKV_IN_ATTENTION=0: qkv_into_cache, then attend. None where the kernel does not take
-                the layer (`qkv_cache.supported`)."""
-                t, layer = cfg.kv_slot(i)
-                m, stack = meta.layers[t], kv[t]
-                if not supported(out, stack.k):
-                    return None
-                cos, sin = tables(i, positions, out.dtype)
-                heads = out.reshape(out.shape[0], 1, -1, cfg.layer_head_dim(i))
-                a, k, v = paged_attention_qkv(
-                    heads, stack.k, stack.v, m.read, m.kv_start, m.q_lo, m.q_hi, m.write, q_norm.stack,
-                    k_norm.stack, cos, sin, num_heads=cfg.num_heads, layer=layer, scale=cfg.query_scale,
-                    q_norm_index=tuple(q_norm.index), k_norm_index=tuple(k_norm.index),
-                    has_v=cfg.has_v_proj(i), v_norm=cfg.use_v_norm, eps=cfg.rms_norm_eps)
-                return a, {**kv, t: LayerKV(k=k, v=v)}
+        attend.shared_q = shared_q
+    if env_switch("JAXSPEC_QKV_IN_ATTENTION") is not False and not meta.invariant:
+        def qkv_attend(kv, i, out, q_norm: Vec, k_norm: Vec, positions):
+            """A non-shared layer's q/k/v product [B, T, (NH + KVH (+ KVH)) D] -> (its attention [B, T, NH, D], kv
+            with the step's K and V written): the norms, RoPE and K/V write inside the attention kernel
+            (`paged_attention_qkv`), one launch fewer a layer than `qkv_into_cache` then `attend` (E4B: 24 a decode
+            step; its kernels' time a step 0.9% lower on the H100, session 41), and in a verify step XLA's norm and
+            RoPE fusions and two scatters fewer. JAXSPEC_QKV_IN_ATTENTION=0: qkv_into_cache (or XLA's), then attend.
+            None where the kernel does not take the layer (`qkv_cache.supported`)."""
+            t, layer = cfg.kv_slot(i)
+            m, stack = meta.layers[t], kv[t]
+            if not supported(out, stack.k):
+                return None
+            cos, sin = tables(i, positions, out.dtype)
+            heads = out.reshape(out.shape[0], T, -1, cfg.layer_head_dim(i))
+            a, k, v = paged_attention_qkv(
+                heads, stack.k, stack.v, m.read, m.kv_start, m.q_lo, m.q_hi, m.write, q_norm.stack,
+                k_norm.stack, cos, sin, num_heads=cfg.num_heads, layer=layer, scale=cfg.query_scale,
+                q_norm_index=tuple(q_norm.index), k_norm_index=tuple(k_norm.index),
+                has_v=cfg.has_v_proj(i), v_norm=cfg.use_v_norm, eps=cfg.rms_norm_eps)
+            return a, {**kv, t: LayerKV(k=k, v=v)}
 
-            attend.qkv_attend = qkv_attend
+        attend.qkv_attend = qkv_attend
     return attend
 
 

@@ -31,6 +31,9 @@ from jaxspec.pallas import interpret_by_default
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
 
 _MIN_DOT = 16  # tt.dot needs M, N, K >= 16
+# positions a row whose K and V the attention kernel computes and writes itself (`paged_attention_qkv`: each is its
+# own few loads and a select a key block, unrolled; a verify step has k + 1)
+MAX_NEW_KV_QUERIES = 8
 
 
 def _next_pow2(n: int) -> int:
@@ -50,21 +53,28 @@ def _rope_operands(qs_ref, qn_ref, cos_ref, sin_ref):
     return qs_ref[...], qn_ref[...], qn_ref[perm], cos_ref[...], sin_ref[...]
 
 
-def _gathered_rope_operands(q_ref, qn_ref, cos_ref, sin_ref, b, r, qn_index: tuple):
+def _gathered_rope_operands(q_ref, qn_ref, cos_ref, sin_ref, b, r, t, qn_index: tuple):
     """`_rope_operands` for q read in its own layout (`gather_q`): q's rotate-half partner gathered from q itself
-    (rows r, columns (j + D/2) % D) instead of a stored copy, the q-norm weight read at qn_index of its stack."""
+    (rows r, columns (j + D/2) % D) instead of a stored copy, the q-norm weight read at qn_index of its stack.
+    cos_ref, sin_ref [B, Tq, D]: with one query a row its tables [D]; with more, each row's query's (t: int32[rows],
+    the query of each row) as [rows, D]."""
     D = q_ref.shape[-1]
     perm = _swap_perm(D)
     shape = (r.shape[0], D)
     q_swap = q_ref[b, jnp.broadcast_to(r[:, None], shape), jnp.broadcast_to(perm[None, :], shape)]
-    return q_swap, qn_ref[(*qn_index, slice(None))], qn_ref[(*qn_index, perm)], cos_ref[b, :], sin_ref[b, :]
+    if cos_ref.shape[1] == 1:
+        cos, sin = cos_ref[b, 0, :], sin_ref[b, 0, :]
+    else:
+        rows, cols = jnp.broadcast_to(t[:, None], shape), jnp.broadcast_to(lax.iota(jnp.int32, D)[None, :], shape)
+        cos, sin = cos_ref[b, rows, cols], sin_ref[b, rows, cols]
+    return q_swap, qn_ref[(*qn_index, slice(None))], qn_ref[(*qn_index, perm)], cos, sin
 
 
 def _norm_rope(q, q_swap, q_norm, q_norm_swap, cos, sin, eps):
     """The query prologue of the drafter's fused step: per-row RMSNorm times the q-norm weight, then RoPE, rounded
     where `decoder_layer` rounds. q, q_swap: [rows, D] in the compute dtype, q_swap[:, j] = q[:, (j + D/2) % D] (the
     rotate-half partner, stored so by the q projection); q_norm [D] and q_norm_swap (its entries in q_swap's order);
-    cos, sin: fp32 [D] of the row's position."""
+    cos, sin: fp32 [D] of the rows' position, or [rows, D] each row's."""
     dtype = q.dtype
     D = q.shape[1]
     qf, qs = q.astype(jnp.float32), q_swap.astype(jnp.float32)
@@ -72,18 +82,20 @@ def _norm_rope(q, q_swap, q_norm, q_norm_swap, cos, sin, eps):
     qn = (qf * r * q_norm[None, :]).astype(dtype).astype(jnp.float32)
     qsn = (qs * r * q_norm_swap[None, :]).astype(dtype).astype(jnp.float32)
     sign = jnp.where(lax.iota(jnp.int32, D) < D // 2, -1.0, 1.0).astype(jnp.float32)
-    return (qn * cos[None, :] + sign[None, :] * qsn * sin[None, :]).astype(dtype)
+    if cos.ndim == 1:
+        cos, sin = cos[None, :], sin[None, :]
+    return (qn * cos + sign[None, :] * qsn * sin).astype(dtype)
 
 
-def _new_kv_operands(heads_ref, kn_ref, b, h, new_kv: tuple):
-    """The loads of `_new_kv` for kv head h of row b: ((its raw K, K's rotate-half partner, the k-norm weight and
-    its partner), the raw V: the K projection again where the layer has none), from the q/k/v product's heads
-    [B, NH + KVH (+ KVH), D] (`_attention_kernel`'s new_kv)."""
-    num_heads, has_v, _, kn_index = new_kv
+def _new_kv_operands(heads_ref, kn_ref, b, h, t: int, new_kv: tuple):
+    """The loads of `_new_kv` for kv head h of row b's query t: ((its raw K, K's rotate-half partner, the k-norm
+    weight and its partner), the raw V: the K projection again where the layer has none), from the q/k/v product's
+    heads [B, Tq (NH + KVH (+ KVH)), D] (`_attention_kernel`'s new_kv)."""
+    num_heads, has_v, _, kn_index, per_query = new_kv
     D = heads_ref.shape[-1]
-    kv_heads = (heads_ref.shape[1] - num_heads) // (2 if has_v else 1)
+    kv_heads = (per_query - num_heads) // (2 if has_v else 1)
     perm = _swap_perm(D)
-    k = num_heads + h
+    k = t * per_query + num_heads + h
     k_raw, k_swap = heads_ref[b, k, :], heads_ref[b, k, perm]
     v_raw = heads_ref[b, k + kv_heads, :] if has_v else k_raw
     return (k_raw, k_swap, kn_ref[(*kn_index, slice(None))], kn_ref[(*kn_index, perm)]), v_raw
@@ -136,11 +148,12 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     With granule (< block_k), pieces are cut at multiples of granule keys, not of block_k (`_piece`).
     With gather_q and rope_eps, q_ref holds the raw projections in q's own layout and no q_swap follows it: qn_ref
     (the q-norm stack, read at rope_index), cos_ref and sin_ref ([B, D]) do (`_gathered_rope_operands`).
-    With new_kv = (NH, has_v, v_norm, k_norm_index) (gather_q, rope_eps, one query a row): q_ref is a non-shared
-    layer's whole q/k/v product as heads [B, NH + KVH (+ KVH), D]; kn_ref (the k-norm stack) and slot_ref (int32[B],
-    the row's write slot; 0: padding) follow sin_ref, and the K / V stacks' aliased outputs k_out, v_out follow the
-    others. Each program norms and rotates its kv head's new K (and norms V) as `qkv_cache` does (`_new_kv`); the
-    key walk takes them in place of what the pool holds at the write slot, and program (b, h, 0, 0) stores them there.
+    With new_kv = (NH, has_v, v_norm, k_norm_index, heads a query) (gather_q, rope_eps): q_ref is a non-shared
+    layer's whole q/k/v product as heads [B, Tq (NH + KVH (+ KVH)), D]; kn_ref (the k-norm stack) and slot_ref
+    (int32[B, Tq], each query's write slot; 0: padding) follow sin_ref, and the K / V stacks' aliased outputs k_out,
+    v_out follow the others. Each program norms and rotates its kv head's new K of each query (and norms V) as
+    `qkv_cache` does (`_new_kv`); the key walk takes them in place of what the pool holds at their write slots, and
+    program (b, h, 0, 0) stores them there.
     (Two other forms were measured on the H200 and removed in session 37, commit a536233 has them: the splits merged
     in this kernel by the last program of a query block to finish, after an atomic count, E4B's verify step 15%
     slower, session 15; the key walk software-pipelined by hand, no walk faster and long ones up to 19% slower,
@@ -166,18 +179,23 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
         q = q_ref[...]
     else:
         block_q, head_dim = row_lo_ref.shape[0], q_ref.shape[-1]
-        r, own = _own_rows(gather_q, h, block_q)
-        q = q_ref[b, r, :]  # [block_q, D]
+        r, own = _own_rows(gather_q, h, block_q)  # q's layout: the output's rows
+        r_in = r if new_kv is None else _own_rows(gather_q, h, block_q, stride=new_kv[4])[0]  # q/k/v's
+        q = q_ref[b, r_in, :]  # [block_q, D]
     if rope_eps is None:
         rope = None
     elif gather_q is None:
         rope = _rope_operands(qs_ref, qn_ref, cos_ref, sin_ref)
     else:
-        rope = _gathered_rope_operands(q_ref, qn_ref, cos_ref, sin_ref, b, r, rope_index)
+        rope = _gathered_rope_operands(q_ref, qn_ref, cos_ref, sin_ref, b, r_in, _query_of_rows(gather_q, block_q),
+                                       rope_index)
 
-    if new_kv is not None:  # loads issued with q's
-        k_operands, v_raw = _new_kv_operands(q_ref, kn_ref, b, h, new_kv)
-        slot = slot_ref[b]
+    if new_kv is not None:  # loads issued with q's: each query's raw K / V, write slot and RoPE tables
+        num_queries = gather_q[0] // gather_q[2]
+        fresh = []
+        for t in range(num_queries):
+            tables = (rope[3], rope[4]) if num_queries == 1 else (cos_ref[b, t, :], sin_ref[b, t, :])
+            fresh.append((*_new_kv_operands(q_ref, kn_ref, b, h, t, new_kv), tables, slot_ref[b, t]))
     first = span_ref[b, 0]
     last = span_ref[b, 1]
     kv_start = kv_start_ref[b]
@@ -187,8 +205,10 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
 
     if rope_eps is not None:
         q = _norm_rope(q, *rope, rope_eps)
-    if new_kv is not None:
-        k_new, v_new = _new_kv(*k_operands, v_raw, rope[3], rope[4], rope_eps, v_norm=new_kv[2], dtype=k_out.dtype)
+    new = []  # (K [D], V [D], write slot) of each query of the row
+    for k_operands, v_raw, (cos, sin), slot in fresh if new_kv is not None else ():
+        k_new, v_new = _new_kv(*k_operands, v_raw, cos, sin, rope_eps, v_norm=new_kv[2], dtype=k_out.dtype)
+        new.append((k_new, v_new, slot))
 
         @pl.when((slot != 0) & (pl.program_id(2) == 0) & (split == 0))
         def _():  # one program a row and kv head stores them (what it stores, no program reads)
@@ -233,7 +253,7 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
         block = keys(j)
         slots = slots_of(block)
         k, v = rows_of(slots)
-        if new_kv is not None:  # the step's own key: computed here, not yet in the pool
+        for k_new, v_new, slot in new:  # the step's own keys: computed here, not yet in the pool
             hit = ((slots == slot) & (slot != 0))[:, None]
             k, v = jnp.where(hit, k_new[None, :], k), jnp.where(hit, v_new[None, :], v)
         return attend(block, k, v, *carry)
@@ -282,15 +302,22 @@ def _real_rows(real_rows: int | None, block_q: int):
     return None if real_rows is None else _block_rows(block_q) < real_rows
 
 
-def _own_rows(gather_q, h, block_q: int):
+def _own_rows(gather_q, h, block_q: int, stride: int | None = None):
     """q's own layout [Bq, Tq * NH, D] (`gather_q` = (rows, NH, G)): the q rows of program (., h, row_block, .)'s
     block_q layout rows r = t * G + g (query t, head h * G + g), and which of them are real (`_real_rows`); padding
-    rows re-read the last real row."""
+    rows re-read the last real row. stride: the heads a query holds where it is not NH (a q/k/v product's
+    [Bq, Tq * (NH + KVH (+ KVH)), D], whose q heads come first in each query's)."""
     rows, num_heads, group = gather_q
     r = _block_rows(block_q)
     own = r < rows
     r = jnp.minimum(r, rows - 1)
-    return (r // group) * num_heads + h * group + r % group, own
+    return (r // group) * (stride or num_heads) + h * group + r % group, own
+
+
+def _query_of_rows(gather_q, block_q: int):
+    """int32[block_q]: the query t of each layout row of the program's block (padding rows: the last query's)."""
+    rows, _, group = gather_q
+    return jnp.minimum(_block_rows(block_q), rows - 1) // group
 
 
 def _store_rows(ref, b, rows, own, cols, value):
@@ -409,9 +436,9 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     of the call; with kv_start 0 for every row, a row's result is then a function of its own position and keys
     (the engine's batch-invariant mode, `EngineConfig.batch_invariant`).
     granule: `paged_attention_rows`' (pieces cut at multiples of it, not of block_k).
-    rope_eps (with gather_q, Tq 1): q holds a KV-shared layer's raw q projection, normed (q_norm[q_norm_index], a
-    weight vector of a stack) and rotated (cos, sin: [B, D]) in the attention kernel, as `qkv_cache.q_rope_ref` does
-    it: one launch fewer than `q_rope` and then this kernel.
+    rope_eps (with gather_q): q holds a KV-shared layer's raw q projection, normed (q_norm[q_norm_index], a
+    weight vector of a stack) and rotated (cos, sin: [B, Tq, D]) in the attention kernel, as `qkv_cache.q_rope_ref`
+    does it: one launch fewer than `q_rope` and then this kernel (XLA's q norm and rotation: two).
     Returns [B, Tq, NH, D] in q.dtype.
     """
     B, Tq, NH, D = q.shape
@@ -430,9 +457,9 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
     row_lo, row_hi, span = row_ranges(kv_start, q_lo, q_hi, G, padded_rows, kv_indices.shape[1])
     rope = None
     if rope_eps is not None:
-        if not gather_q or Tq != 1:
-            raise ValueError("the kernel's q norm and RoPE take gather_q and one query a row")
-        rope = (None, q_norm, q_norm_index, cos.reshape(B, D), sin.reshape(B, D), rope_eps)
+        if not gather_q:
+            raise ValueError("the kernel's q norm and RoPE take gather_q")
+        rope = (None, q_norm, q_norm_index, cos.reshape(B, Tq, D), sin.reshape(B, Tq, D), rope_eps)
     out = paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, scale=scale,
                                layer=layer, block_k=block_k, block_q=block_q, num_splits=num_splits,
                                num_warps=num_warps, num_stages=num_stages, interpret=interpret,
@@ -451,26 +478,29 @@ def paged_attention_qkv(heads, k_stack, v_stack, kv_indices, kv_start, q_lo, q_h
                         *, num_heads: int, layer: int, scale: float, q_norm_index: tuple, k_norm_index: tuple,
                         has_v: bool, v_norm: bool, eps: float, interpret: bool | None = None,
                         num_splits: int | None = None):
-    """A non-shared layer's one-position step from its q/k/v product to its attention in one kernel (with the split
-    merge after it): what `qkv_cache.qkv_cache` (q, k, v normed, q and k rotated, K and V written at `slots`) then
-    `paged_attention` (gather_q) compute, `qkv_cache`'s launch saved.
+    """A non-shared layer's step from its q/k/v product to its attention in one kernel (with the split merge after
+    it): what `qkv_cache.qkv_cache` (q, k, v normed, q and k rotated, K and V written at `slots`) then
+    `paged_attention` (gather_q) compute, `qkv_cache`'s launch (or XLA's norm and RoPE fusions and K/V scatters)
+    saved.
 
-    heads: the product as heads [B, 1, NH + KVH (+ KVH), D] (`qkv_cache.split_heads`); k_stack, v_stack: the
-    layer stacks [L, S, KVH, D] (`layer`); slots int32[B, 1] (0: a padding row, nothing written); q_norm, k_norm:
-    weight stacks read at their indices; cos, sin [B, 1, D]. Returns (attention [B, 1, NH, D], k_stack, v_stack)."""
-    B, T, _, D = heads.shape
+    heads: the product as heads [B, T, NH + KVH (+ KVH), D] (`qkv_cache.split_heads`; T <= MAX_NEW_KV_QUERIES
+    positions a row); k_stack, v_stack: the layer stacks [L, S, KVH, D] (`layer`); slots int32[B, T] (0: a padding
+    position, nothing written); q_norm, k_norm: weight stacks read at their indices; cos, sin [B, T, D]. Returns
+    (attention [B, T, NH, D], k_stack, v_stack)."""
+    B, T, per_query, D = heads.shape
     KVH = k_stack.shape[-2]
-    if T != 1:
-        raise ValueError(f"paged_attention_qkv takes one position a row, not {T}")
+    if not 1 <= T <= MAX_NEW_KV_QUERIES:
+        raise ValueError(f"paged_attention_qkv takes 1 to {MAX_NEW_KV_QUERIES} positions a row, not {T}")
     G = num_heads // KVH
-    block_q, padded_rows = query_rows(1, G, D)
+    block_q, padded_rows = query_rows(T, G, D)
     row_lo, row_hi, span = row_ranges(kv_start, q_lo, q_hi, G, padded_rows, kv_indices.shape[1])
-    rope = (None, q_norm, q_norm_index, cos.reshape(B, D), sin.reshape(B, D), eps)
+    rope = (None, q_norm, q_norm_index, cos.reshape(B, T, D), sin.reshape(B, T, D), eps)
     out, k_stack, v_stack = paged_attention_rows(
-        heads.reshape(B, -1, D), k_stack, v_stack, kv_indices, kv_start, row_lo, row_hi, span, scale=scale,
-        layer=layer, block_q=block_q, num_splits=num_splits, interpret=interpret, gather_q=(G, num_heads, G),
-        real_rows=G, rope=rope, new_kv=(k_norm, k_norm_index, slots, has_v, v_norm))
-    return out.reshape(B, 1, num_heads, D), k_stack, v_stack
+        heads.reshape(B, T * per_query, D), k_stack, v_stack, kv_indices, kv_start, row_lo, row_hi, span,
+        scale=scale, layer=layer, block_q=block_q, num_splits=num_splits, interpret=interpret,
+        gather_q=(T * G, num_heads, G), real_rows=T * G, rope=rope,
+        new_kv=(k_norm, k_norm_index, slots.reshape(B, T), has_v, v_norm))
+    return out.reshape(B, T, num_heads, D), k_stack, v_stack
 
 
 def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo, row_hi, span, *, scale: float = 1.0,
@@ -498,12 +528,14 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     block_k): with block_k 64 and granule 32 a short span still makes as many pieces as 32-key blocks would, while a
     long one walks one 64-key block a piece where 32-key blocks walk two, one after the other (a diagnosis knob,
     `bench/diag_splits.py`; not fixed_splits').
-    new_kv: (k_norm stack, its index (a tuple), slots int32[B], has_v, v_norm), with gather_q and its rope, one
-    query a row: q_rows is a non-shared layer's whole q/k/v product as heads [Bq, NH + KVH (+ KVH), D] (`qkv_cache`'s
+    new_kv: (k_norm stack, its index (a tuple), slots int32[B, Tq], has_v, v_norm), with gather_q and its rope:
+    q_rows is a non-shared layer's whole q/k/v product as heads [Bq, Tq (NH + KVH (+ KVH)), D] (`qkv_cache`'s
     input), k_cache / v_cache the layer stacks (`layer`); the kernel writes the step's K and V at the slots as
     `qkv_cache` would and attends over them. Returns (out, k_cache, v_cache) then."""
-    if new_kv is not None and (gather_q is None or rope is None or layer is None or gather_q[0] != gather_q[2]):
-        raise ValueError("new_kv takes gather_q with its rope, a layer stack and one query a row")
+    if new_kv is not None and (gather_q is None or rope is None or layer is None
+                               or gather_q[0] // gather_q[2] > MAX_NEW_KV_QUERIES):
+        raise ValueError(f"new_kv takes gather_q with its rope, a layer stack and at most {MAX_NEW_KV_QUERIES} "
+                         "queries a row")
     if gather_q is None:
         Bq, KVH, padded_rows, D = q_rows.shape
     else:
@@ -545,7 +577,8 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
                                real_rows=real_rows, granule=None if granule == block_k else granule,
                                rope_index=tuple(rope[2]) if rope is not None and gather_q is not None else None,
                                new_kv=None if new_kv is None else (gather_q[1], new_kv[3], new_kv[4],
-                                                                   tuple(new_kv[1])))
+                                                                   tuple(new_kv[1]), q_rows.shape[1] // (
+                                                                       gather_q[0] // gather_q[2])))
 
     def whole(shape):  # read by slot or row index inside the kernel
         return pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))
@@ -575,8 +608,8 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     kv_specs, kv_shapes = [], []
     if new_kv is not None:  # the k-norm stack and the write slots; the K / V stacks come back written
         k_norm, _, slots = new_kv[:3]
-        in_specs[9:9] = [whole(k_norm.shape), whole((B,))]
-        args[9:9] = [k_norm, slots.reshape(-1)[:B].astype(jnp.int32)]
+        in_specs[9:9] = [whole(k_norm.shape), whole((B, slots.shape[1]))]
+        args[9:9] = [k_norm, slots[:B].astype(jnp.int32)]
         kv_specs = [whole(k_cache.shape), whole(v_cache.shape)]
         kv_shapes = [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                      jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]

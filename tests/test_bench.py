@@ -64,6 +64,7 @@ def test_decode(tmp_path):
     assert [(d["after_trace"], d.get("traced_calls")) for d in r["rows"]] == [(False, None), (False, 20)]
     for d in r["rows"]:
         assert {"step_ms", "tokens_per_s", "bound_ms", "step/bound"} <= set(d) and d["jit_leaves"] > 50
+        assert d["back_to_back/bound"] == pytest.approx(d["back_to_back_step_ms"] / d["bound_ms"])
     (need,) = r["bytes"]
     parts = ("lm_head", "ple_rows", "globals", "layers", "kv_sliding", "kv_full")
     assert need["total"] == sum(need[k] for k in parts)
@@ -72,6 +73,23 @@ def test_decode(tmp_path):
     # 4 sliding layers read W = 8 positions, 2 full layers all 24, each of 2 rows: 2 KV heads, K and V in bf16
     assert need["kv_sliding"] == 4 * 2 * 8 * 2 * cfg.head_dim * 2 * 2
     assert need["kv_full"] == 2 * 2 * 24 * 2 * cfg.global_head_dim * 2 * 2
+
+
+def test_back_to_back_time_waits_for_each_groups_last_call_only(monkeypatch):
+    """`common.median_back_to_back_us` (decode and verify rows' `back_to_back_step_ms`): after one warm-up call per
+    input set, each group issues `calls` calls rotating through the sets before it waits, for the last one only,
+    and its figure is the group's wall time over its calls; the median of the groups (a scripted clock)."""
+    from jaxspec.bench import common
+
+    clock = iter([0.0, 0.008, 1.0, 1.016, 2.0, 2.012])  # three groups of 8 calls: 1, 2 and 1.5 ms a call
+    monkeypatch.setattr(common.time, "perf_counter", lambda: next(clock))
+    issued, waited = [], []
+    monkeypatch.setattr(common.jax, "block_until_ready", lambda x: waited.append(x) or x)
+    figure = common.median_back_to_back_us(lambda i: issued.append(i) or len(issued), iters=3, num_sets=2, calls=8)
+    assert figure == pytest.approx(1500.0)
+    assert issued == [0, 1] + [0, 1] * 4 * 3
+    # the warm-ups' outputs, then each group's last call's output (the clock stops after it)
+    assert waited == [1, 2, 10, 18, 26]
 
 
 def test_memory(tmp_path):

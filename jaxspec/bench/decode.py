@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import staging
-from jaxspec.bench.common import (DTYPE, NUM_SETS, PRESET_NAMES, after_trace, gib, median_us, memory_note, names_from,
-                                  paged_cache, positive, print_table, profile_calls, randomize, sizes)
+from jaxspec.bench.common import (DTYPE, NUM_SETS, PRESET_NAMES, after_trace, gib, median_back_to_back_us, median_us,
+                                  memory_note, names_from, paged_cache, positive, print_table, profile_calls,
+                                  randomize, sizes)
 from jaxspec.config import LAYER_TYPES, SLIDING, TargetConfig, bench_pair
 from jaxspec.model import gemma4
 from jaxspec.model.weights import random_target_params
@@ -158,6 +159,9 @@ def run(args) -> dict:
                 else:
                     call, leaves, note = paged_decode(unstacked, cfg, bs, ctx, tokens, args)
                 step_us = median_us(call, args.iters, num_sets=1 if mode == "paged-stable" else NUM_SETS)
+                # the same step issued back to back (the engine's overlapped calls): the device's pace
+                chained_us = median_back_to_back_us(call, max(1, args.iters // 8),
+                                                    num_sets=1 if mode == "paged-stable" else NUM_SETS)
                 same = None
                 if mode in ("paged", "paged-stable", "paged-staged"):  # logits of the first token set, bit for bit
                     logits = np.asarray(call(0))
@@ -166,11 +170,13 @@ def run(args) -> dict:
                 bound_us = need["total"] / args.hbm_bw * 1e6
                 rows.append({"cache": mode, "bs": bs, "ctx": ctx, "positions": T, "step_ms": step_us / 1e3,
                              "tokens_per_s": bs / step_us * 1e6, "bound_ms": bound_us / 1e3,
-                             "step/bound": step_us / bound_us, "jit_leaves": leaves, "memory": note,
+                             "step/bound": step_us / bound_us, "back_to_back_step_ms": chained_us / 1e3,
+                             "back_to_back/bound": chained_us / bound_us, "jit_leaves": leaves, "memory": note,
                              "same_logits_as_first_paged": same, "after_trace": after_trace(args)})
                 if mode == "paged":  # traced once every mode of this shape is timed (common.profile_calls)
                     traced, traced_row = call, rows[-1]
-                print(f"step of {T} position(s), {mode} bs {bs} ctx {ctx}: {step_us / 1e3:.3f} ms; {note}")
+                print(f"step of {T} position(s), {mode} bs {bs} ctx {ctx}: {step_us / 1e3:.3f} ms "
+                      f"(back to back {chained_us / 1e3:.3f} ms); {note}")
                 del call  # this figure's K/V (GiBs at bs 16) goes before the next figure allocates its own
             if traced is not None:
                 traced_row.update(profile_calls(args, traced, f"paged step of {T} position(s), bs {bs} ctx {ctx}"))

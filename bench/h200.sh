@@ -851,6 +851,24 @@ s40-since29)  # issue #14: E4B's bs-1 decode and verify steps (4K) with this tre
       cat /tmp/since-$step-$i.log >> "$OUT/since29.log"
       echo "== $step $v run $i (${SECONDS}s, $(PYTHONPATH=$pp python3 -P -c 'import jaxspec; print(jaxspec.__file__)')):" \
         "$(grep -hE '^step of|Error' /tmp/since-$step-$i.log | tr '\n' ' ')"; done; done ;;
+s42-one)  # issue #14, session 42's one call: on an H200 the verify change's kernel tests and one A/B pair
+  # (s42-verify-attn, VERIFY_SEQ "1 0"), then the goal rows if time is left; on another card s42-verify-attn in full
+  # (its tests, "1 0 1 0"). Every file comes back in one archive (all.tgz)
+  R=$OUT; mkdir -p "$R/a" "$R/b"; g="$(nvidia-smi --query-gpu=name --format=csv,noheader)"
+  kt="tests/test_kernels.py::test_qkv_in_the_attention_kernel_matches_reference
+      tests/test_kernels.py::test_shared_q_norm_rope_in_the_kernel_matches_reference"
+  et="tests/test_rounds.py::test_verify_steps_norm_and_rotate_in_the_attention_kernel
+      tests/test_rounds.py::test_one_position_steps_norm_and_rotate_in_the_attention_kernel"
+  case "$g" in
+    *H200*) OUT=$R/a TEST_TIMEOUT=100 VERIFY_SEQ="1 0" VERIFY_TIMEOUT=100 VERIFY_BUDGET=200 VERIFY_TESTS="$kt" \
+              bash bench/h200.sh s42-verify-attn
+            echo "== A/B done (${SECONDS}s)"
+            if [ $SECONDS -lt 330 ]; then OUT=$R/b PROPOSE_TIMEOUT=150 VERIFY_TIMEOUT=120 DECODE_TIMEOUT=80 \
+              bash bench/h200.sh goal-rows; fi ;;
+    *) OUT=$R/a TEST_TIMEOUT=150 VERIFY_TIMEOUT=110 VERIFY_BUDGET=380 VERIFY_TESTS="$kt $et" \
+         bash bench/h200.sh s42-verify-attn ;;
+  esac
+  echo "== $g, end (${SECONDS}s)"; (cd "$R" && tar czf all.tgz a b && rm -rf a b); OUT=$R ;;
 s42-verify-attn)  # issue #14: a verify step's q/k/v norms, RoPE and K/V write (non-shared layers) and q norm and RoPE
   # (KV-shared layers) inside the attention kernels (JAXSPEC_VERIFY_IN_ATTENTION, session 42) against XLA's fusions and
   # scatters. VERIFY_LANE=1 (default) first runs the GPU tests (Triton, fp32, -n 8: the kernels' multi-position

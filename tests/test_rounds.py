@@ -331,12 +331,12 @@ def test_kernels_gathering_q_equal_transformers_greedy(oracle, monkeypatch, swit
 def test_qkv_kernel_engine_equals_transformers_greedy(oracle, monkeypatch):
     """JAXSPEC_QKV_KERNEL=1 (by default one-position steps only): a non-shared layer's q/k/v norms, RoPE and K/V
     write as one kernel (`qkv_cache.qkv_cache`), a KV-shared layer's q norm and RoPE as one (`q_rope`), interpreted
-    here, in prefill chunks and verify steps (JAXSPEC_VERIFY_IN_ATTENTION unset: with it, steps of up to
+    here, in prefill chunks and verify steps (JAXSPEC_VERIFY_IN_ATTENTION=0: else steps of up to
     MAX_NEW_KV_QUERIES positions run them inside the attention kernel); at R 2 with overlap the engine gives
     transformers' greedy continuations. (Their comparisons with the references: tests/test_qkv_cache.py.)"""
     rows = qkv_launches(monkeypatch)
     monkeypatch.setenv("JAXSPEC_QKV_KERNEL", "1")
-    monkeypatch.delenv("JAXSPEC_VERIFY_IN_ATTENTION", raising=False)
+    monkeypatch.setenv("JAXSPEC_VERIFY_IN_ATTENTION", "0")
     got, want = kernels_greedy(oracle)
     assert got == want
     for name in ("qkv_cache", "q_rope"):  # the oracle's KV-shared layers run q_rope
@@ -375,13 +375,13 @@ def test_one_position_steps_norm_and_rotate_in_the_attention_kernel(oracle, monk
     assert rows == launched, rows  # bucket 4 x 1 position; never an 8-position chunk
 
 
-@pytest.mark.parametrize("switch", ["1", None], ids=["on", "default-off"])
+@pytest.mark.parametrize("switch", [None, "0"], ids=["default", "off"])
 def test_verify_steps_norm_and_rotate_in_the_attention_kernel(oracle, monkeypatch, switch):
-    """JAXSPEC_VERIFY_IN_ATTENTION=1 (off by default until timed on a GPU): in a verify step's k + 1 positions too,
-    a non-shared layer's q/k/v norms, RoPE and K/V write run inside its attention kernel (`paged_attention_qkv`:
-    each program computes the step's four keys of its kv head and takes them wherever the walk meets their slots)
-    and a KV-shared layer's q norm and RoPE inside its own (RoPE tables per query row), where XLA runs norm and
-    rotation fusions and two scatters. Either way the engine (kernels interpreted, k 3, R 2 with overlap: the K/V a
+    """JAXSPEC_VERIFY_IN_ATTENTION (on by default since session 42): in a verify step's k + 1 positions too, a
+    non-shared layer's q/k/v norms, RoPE and K/V write run inside its attention kernel (`paged_attention_qkv`: each
+    program computes the step's four keys of its kv head and takes them wherever the walk meets their slots) and a
+    KV-shared layer's q norm and RoPE inside its own (RoPE tables per query row); 0: XLA's norm and rotation
+    fusions and two scatters a layer. Either way the engine (kernels interpreted, k 3, R 2 with overlap: the K/V a
     verify writes are read by the drafter, the KV-shared layers and the later rounds) gives transformers' greedy
     continuations, and the 4-position attention calls took the raw projections (and the K/V heads) as the switch
     says."""
@@ -406,7 +406,7 @@ def test_verify_steps_norm_and_rotate_in_the_attention_kernel(oracle, monkeypatc
     assert got == want
     verify = {(rope, new) for queries, rope, new in seen if queries == 4}
     # the oracle's sliding layers (head_dim 16: halves of 8, `qkv_cache.supported` refuses) keep XLA's q/k/v step
-    assert verify == ({(True, True), (True, False), (False, False)} if switch else {(False, False)}), verify
+    assert verify == ({(True, True), (True, False), (False, False)} if switch is None else {(False, False)}), verify
 
 
 def test_staged_inputs_engine_equals_transformers_greedy_and_unstaged_sampling(oracle, monkeypatch):

@@ -148,16 +148,15 @@ def in_attention_on(meta: StepMetadata, kernels: bool) -> bool:
     """Whether a step's q norm and RoPE (a KV-shared layer's, `shared_q`) and a non-shared layer's q/k/v step with
     its K/V write (`qkv_attend`) may run inside the attention kernel (each under its own switch): the kernels on one
     device with q read in its own layout (JAXSPEC_ATTN_GATHER_Q), and one position a row where `qkv_kernel_on` says
-    so, or a verify step's 2 to MAX_NEW_KV_QUERIES positions with JAXSPEC_VERIFY_IN_ATTENTION=1 outside the
-    batch-invariant mode (there a verify step computes each position as the decode step does). That switch is off
-    by default until the GPU has run its tests and timed it (session 42 got no device: E4B's bs-1 verify step
-    786 -> 693 launches compiled for the H200 without one, `bench graph`)."""
+    so, or a verify step's 2 to MAX_NEW_KV_QUERIES positions outside the batch-invariant mode (there a verify step
+    computes each position as the decode step does; JAXSPEC_VERIFY_IN_ATTENTION=0: never). E4B's bs-1 verify step:
+    806 -> 693 launches on the H100, its kernels' time a step -1.4% and its device span -1.0% (session 42)."""
     if not kernels or env_switch("JAXSPEC_ATTN_GATHER_Q") is False:
         return False
     T = meta.positions.shape[1]
     if T == 1:
         return qkv_kernel_on(meta)
-    return T <= MAX_NEW_KV_QUERIES and not meta.invariant and env_switch("JAXSPEC_VERIFY_IN_ATTENTION") is True
+    return T <= MAX_NEW_KV_QUERIES and not meta.invariant and env_switch("JAXSPEC_VERIFY_IN_ATTENTION") is not False
 
 
 def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, mesh=None):

@@ -168,6 +168,17 @@ ab_use() {  # $1 new or old, the rest repo files: each from ab_save's copy (new)
   for f in "$@"; do cp "$([[ $v == old ]] && echo .before || echo /tmp/ab-new)/$(basename "$f")" "$f"; done
 }
 
+traced_step() {  # $1 a tag (the files $OUT/$1.json and $OUT/trace-$1.json, the log /tmp/$1.log), $2 the run's
+  # environment ("NAME=value ..."), $3 its time limit, the rest a bench subcommand and its flags: one run traced in
+  # its own process (command buffers kept while profiling), then `bench trace` of its 20 traced calls
+  local tag=$1 envs=$2 limit=$3; shift 3
+  rm -rf "/tmp/$tag-prof"
+  env $envs XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout "$limit" python3 -m jaxspec.bench \
+    "$@" --profile-dir "/tmp/$tag-prof" --json "$OUT/$tag.json" > "/tmp/$tag.log" 2>&1
+  timeout 90 python3 -m jaxspec.bench trace "/tmp/$tag-prof" --rounds 20 --top 40 --json "$OUT/trace-$tag.json" \
+    >> "/tmp/$tag.log" 2>&1
+}
+
 warm() {  # $1 a log tag, the rest a bench subcommand and its flags: one --iters 1 run that fills the persistent compile
   # cache, memory not preallocated and held to WARM_MEM of the GPU (default 14%: several run side by side; session 26
   # saw six unbounded ones run the GPU out of memory); its own figures are not results (JSON under /tmp)
@@ -885,14 +896,9 @@ s42-verify-attn)  # issue #14: a verify step's q/k/v norms, RoPE and K/V write (
     grep -E "(passed|failed).* in |^FAILED|^ERROR" "$OUT/tests-verify-attn.txt" | tail -12; fi
   i=0; for v in ${VERIFY_SEQ:-1 0 1 0}; do i=$((i + 1))
     [ $SECONDS -lt ${VERIFY_BUDGET:-480} ] || { echo "== time: stopped before run $i"; break; }
-    rm -rf /tmp/va-prof
-    JAXSPEC_VERIFY_IN_ATTENTION=$v XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true \
-      timeout ${VERIFY_TIMEOUT:-150} python3 -m jaxspec.bench verify --bs ${VERIFY_BS:-1} --profile-dir /tmp/va-prof \
-      --json "$OUT/verify-attn-$v-run$i.json" > /tmp/va-$i.log 2>&1
-    timeout 90 python3 -m jaxspec.bench trace /tmp/va-prof --rounds 20 --top 40 \
-      --json "$OUT/trace-verify-attn-$v-run$i.json" >> /tmp/va-$i.log 2>&1
-    cat /tmp/va-$i.log >> "$OUT/verify-attn.log"
-    echo "== VERIFY_IN_ATTENTION=$v run $i (${SECONDS}s): $(grep -hE '^step of|^trace|Error' /tmp/va-$i.log | tr '\n' ' ')"
+    t=verify-attn-$v-run$i; traced_step $t "JAXSPEC_VERIFY_IN_ATTENTION=$v" ${VERIFY_TIMEOUT:-150} verify --bs ${VERIFY_BS:-1}
+    cat /tmp/$t.log >> "$OUT/verify-attn.log"
+    echo "== VERIFY_IN_ATTENTION=$v run $i (${SECONDS}s): $(grep -hE '^step of|^trace|Error' /tmp/$t.log | tr '\n' ' ')"
   done ;;
 s41-qkv-attn)  # issue #14: a non-shared layer's q/k/v norms, RoPE and K/V write inside its attention kernel
   # (JAXSPEC_QKV_IN_ATTENTION, session 41: 24 launches fewer an E4B decode step; on by default since its H100 runs,
@@ -910,14 +916,11 @@ s41-qkv-attn)  # issue #14: a non-shared layer's q/k/v norms, RoPE and K/V write
   i=0; for v in ${QKV_SEQ:-qkv shared base qkv shared base}; do i=$((i + 1))
     [ $SECONDS -lt ${QKV_BUDGET:-480} ] || { echo "== time: stopped before run $i"; break; }
     case $v in qkv) sq=1; qa=1 ;; shared) sq=1; qa=0 ;; *) sq=0; qa=0 ;; esac
-    rm -rf /tmp/qa-prof
-    JAXSPEC_SHARED_Q_IN_ATTENTION=$sq JAXSPEC_QKV_IN_ATTENTION=$qa \
-      XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true timeout ${QKV_TIMEOUT:-150} python3 -m jaxspec.bench \
-      decode --bs 1 --cache paged --profile-dir /tmp/qa-prof --json "$OUT/decode-qkv-attn-$v-run$i.json" > /tmp/qa-$i.log 2>&1
-    timeout 90 python3 -m jaxspec.bench trace /tmp/qa-prof --rounds 20 --top 40 \
-      --json "$OUT/trace-decode-qkv-attn-$v-run$i.json" >> /tmp/qa-$i.log 2>&1
-    cat /tmp/qa-$i.log >> "$OUT/qkv-attn.log"
-    echo "== $v run $i (${SECONDS}s): $(grep -hE '^step of|^trace|Error' /tmp/qa-$i.log | tr '\n' ' ')"
+    t=decode-qkv-attn-$v-run$i
+    traced_step $t "JAXSPEC_SHARED_Q_IN_ATTENTION=$sq JAXSPEC_QKV_IN_ATTENTION=$qa" ${QKV_TIMEOUT:-150} decode --bs 1 \
+      --cache paged
+    cat /tmp/$t.log >> "$OUT/qkv-attn.log"
+    echo "== $v run $i (${SECONDS}s): $(grep -hE '^step of|^trace|Error' /tmp/$t.log | tr '\n' ' ')"
   done ;;
 s40-shared-q)  # issue #14: a KV-shared layer's q norm and RoPE inside its attention kernel (session 40: 18 launches
   # fewer an E4B decode step) against `q_rope` then the attention (JAXSPEC_SHARED_Q_IN_ATTENTION=0). SHARED_LANE=1
@@ -932,14 +935,10 @@ s40-shared-q)  # issue #14: a KV-shared layer's q norm and RoPE inside its atten
     grep -E "(passed|failed).* in |^FAILED|^ERROR" "$OUT/tests-shared-q.txt" | tail -12; fi
   i=0; for v in ${SHARED_SEQ:-1 0 1 0}; do i=$((i + 1))
     [ $SECONDS -lt ${SHARED_BUDGET:-480} ] || { echo "== time: stopped before run $i"; break; }
-    rm -rf /tmp/shq-prof
-    JAXSPEC_SHARED_Q_IN_ATTENTION=$v XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true \
-      timeout ${SHARED_TIMEOUT:-150} python3 -m jaxspec.bench decode --bs 1 --cache paged --profile-dir /tmp/shq-prof \
-      --json "$OUT/decode-shared-q$v-run$i.json" > /tmp/shq-$i.log 2>&1
-    timeout 90 python3 -m jaxspec.bench trace /tmp/shq-prof --rounds 20 --top 40 \
-      --json "$OUT/trace-decode-shared-q$v-run$i.json" >> /tmp/shq-$i.log 2>&1
-    cat /tmp/shq-$i.log >> "$OUT/shared-q.log"
-    echo "== switch $v run $i (${SECONDS}s): $(grep -hE '^step of|all kernels|Error' /tmp/shq-$i.log | tr '\n' ' ')"
+    t=decode-shared-q$v-run$i
+    traced_step $t "JAXSPEC_SHARED_Q_IN_ATTENTION=$v" ${SHARED_TIMEOUT:-150} decode --bs 1 --cache paged
+    cat /tmp/$t.log >> "$OUT/shared-q.log"
+    echo "== switch $v run $i (${SECONDS}s): $(grep -hE '^step of|all kernels|Error' /tmp/$t.log | tr '\n' ' ')"
   done ;;
 goal-rows)  # issue #14: every goal row of the target's and the drafter's steps in one call (goal_rows)
   goal_rows ;;

@@ -147,7 +147,8 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     of rows past it are not stored (`_real_rows`): the merge does not read them either.
     With granule (< block_k), pieces are cut at multiples of granule keys, not of block_k (`_piece`).
     With gather_q and rope_eps, q_ref holds the raw projections in q's own layout and no q_swap follows it: qn_ref
-    (the q-norm stack, read at rope_index), cos_ref and sin_ref ([B, D]) do (`_gathered_rope_operands`).
+    (the q-norm stack, read at rope_index), cos_ref and sin_ref ([B, Tq, D]: each query's) do
+    (`_gathered_rope_operands`).
     With new_kv = (NH, has_v, v_norm, k_norm_index, heads a query) (gather_q, rope_eps): q_ref is a non-shared
     layer's whole q/k/v product as heads [B, Tq (NH + KVH (+ KVH)), D]; kn_ref (the k-norm stack) and slot_ref
     (int32[B, Tq], each query's write slot; 0: padding) follow sin_ref, and the K / V stacks' aliased outputs k_out,
@@ -572,13 +573,14 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
         real_rows = gather_q[0]
     if real_rows is not None and real_rows >= padded_rows:
         real_rows = None  # no padding: no masks
+    if new_kv is not None:  # q, K (and V) heads of each query: q_rows holds the step's whole q/k/v product
+        heads_a_query = q_rows.shape[1] // (gather_q[0] // gather_q[2])
     kernel = functools.partial(_attention_kernel, scale=scale, block_k=block_k, num_splits=num_splits, layer=layer,
                                rope_eps=None if rope is None else rope[5], gather_q=gather_q, fixed_chunk=fixed_chunk,
                                real_rows=real_rows, granule=None if granule == block_k else granule,
                                rope_index=tuple(rope[2]) if rope is not None and gather_q is not None else None,
                                new_kv=None if new_kv is None else (gather_q[1], new_kv[3], new_kv[4],
-                                                                   tuple(new_kv[1]), q_rows.shape[1] // (
-                                                                       gather_q[0] // gather_q[2])))
+                                                                   tuple(new_kv[1]), heads_a_query))
 
     def whole(shape):  # read by slot or row index inside the kernel
         return pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))

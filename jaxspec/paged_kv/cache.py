@@ -134,8 +134,9 @@ def _attend_fn(use_kernels: bool, num_queries: int, mesh, num_heads: int, kv_hea
 def qkv_kernel_on(meta: StepMetadata) -> bool:
     """Whether a kernel step runs `qkv_cache` / `q_rope` (a layer's q/k/v norms, RoPE and K/V write as one kernel):
     JAXSPEC_QKV_KERNEL=1 every step, =0 none; unset, the one-position steps (plain decoding) outside the
-    batch-invariant mode, where a verify step must compute each position as a decode step does (there, by default,
-    inside the attention kernel instead: `qkv_attend` and `shared_q` below). Measured: E4B's
+    batch-invariant mode, where a verify step must compute each position as a decode step does. By default the
+    steps `in_attention_on` names (one position, and a verify's few) run this work inside the attention kernel
+    instead (`qkv_attend`, `shared_q` below; `qkv_into_cache` then serves only the layers it refuses). Measured: E4B's
     bs-1 decode step -2.7% on the H100 (six runs side by side, session 31), -1.7% on the H200 (one run, session 29);
     the bs-1 verify step tied on the H200 (session 29) and ran 3.6% slower on the H100 (session 31)."""
     switch = env_switch("JAXSPEC_QKV_KERNEL")

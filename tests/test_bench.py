@@ -29,13 +29,14 @@ def run(tmp_path, *argv):
 
 def test_kernels(tmp_path):
     r = run(tmp_path, "kernels", "--bs", "2", "--table", "64", "--window", "8", "--ctx", "40", "--head-dim", "16",
-            "--tq", "1,4")
+            "--tq", "1,4", "--knobs", "bk16w4st1s4")
     assert [(g["bs"], g["table"], g["live"]) for g in r["gather"]] == [(2, 64, 9)]
     assert {"kernel_us", "whole_row_us", "whole/kernel"} <= set(r["gather"][0])
     assert [(a["head_dim"], a["bs"], a["ctx"], a["tq"]) for a in r["attention"]] == [(16, 2, 40, 1), (16, 2, 40, 4)]
     for a in r["attention"]:
         assert a["kv_bytes"] == 2 * 40 * 2 * 16 * 2 * 2  # bs * ctx * kv heads * d * (K, V) * bf16
-        assert {"kernel_us", "ref_us", "bound_us", "ref/kernel", "kernel/bound", "ref/bound"} <= set(a)
+        assert {"kernel_us", "ref_us", "bound_us", "ref/kernel", "kernel/bound", "ref/bound", "bk16w4st1s4_us"} <= set(a)
+        assert a["bk16w4st1s4_max_abs_diff"] < 0.05  # four pieces merged: the same attention as the default's two
 
 
 def test_propose(tmp_path):

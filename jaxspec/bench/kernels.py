@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,28 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=sizes, default=[4096, 32768], help="attention: cached keys per row")
     p.add_argument("--head-dim", type=sizes, default=[256, 512], help="attention: head_dim (8 q heads, 2 kv heads)")
     p.add_argument("--tq", type=sizes, default=[1, 4], help="attention: queries per row (1 decode/draft, k+1 verify)")
+    p.add_argument("--knobs", type=knob_list, default=[], help="attention: the kernel also timed with these knobs, a "
+                   "column each, e.g. bk32w8st1,bk16w4st2s8: block_k, num_warps, num_stages, then optionally s<pieces "
+                   "of each row's keys> (default: the kernel's own rule)")
+
+
+KNOB_RE = re.compile(r"bk(\d+)w(\d+)st(\d+)(?:s(\d+))?")
+
+
+def knob_list(text: str) -> list[tuple[str, dict]]:
+    """'bk32w8st1,bk16w4st2s8' -> [(token, paged_attention's knobs)]: block_k, num_warps, num_stages and optionally
+    num_splits (s<n>); block_k and the piece count are checked by the kernel itself."""
+    out = []
+    for token in text.split(","):
+        m = KNOB_RE.fullmatch(token)
+        if not m:
+            raise argparse.ArgumentTypeError(f"knobs look like bk32w8st1 or bk16w4st2s8, got {token!r}")
+        block_k, warps, stages, splits = m.groups()
+        knobs = {"block_k": int(block_k), "num_warps": int(warps), "num_stages": int(stages)}
+        if splits:
+            knobs["num_splits"] = int(splits)
+        out.append((token, knobs))
+    return out
 
 
 def gather_rows(args, rng) -> list[dict]:
@@ -123,12 +146,20 @@ def attention_rows(args, rng) -> list[dict]:
                     for name, fn in (("floor_us", dispatch_floor), ("kernel_us", paged_attention), ("ref_us", ref)):
                         row[name] = median_us(lambda i, fn=fn: fn(qs[i], k_cache, v_cache, indices[i], kv_start,
                                                                   q_lo, q_hi), args.iters)
+                    for token, knobs in args.knobs:  # the same call with other knobs: its time and its output
+                        fn = functools.partial(paged_attention, **knobs)
+                        run_knobs = lambda i, fn=fn: fn(qs[i], k_cache, v_cache, indices[i], kv_start, q_lo,  # noqa: E731
+                                                        q_hi)
+                        row[f"{token}_us"] = median_us(run_knobs, args.iters)
+                        row[f"{token}_max_abs_diff"] = float(jnp.max(jnp.abs(
+                            run_knobs(0).astype(jnp.float32) - paged_attention(
+                                qs[0], k_cache, v_cache, indices[0], kv_start, q_lo, q_hi).astype(jnp.float32))))
                     row["ref/kernel"] = row["ref_us"] / row["kernel_us"]
                     row["kernel/bound"] = row["kernel_us"] / row["bound_us"]
                     row["ref/bound"] = row["ref_us"] / row["bound_us"]
                     rows.append(row)
                     print(f"attention d {d} bs {bs} ctx {ctx} tq {tq}: {row['kernel_us']:.1f} vs "
-                          f"{row['ref_us']:.1f} µs")
+                          f"{row['ref_us']:.1f} µs" + "".join(f"; {t} {row[t + '_us']:.1f}" for t, _ in args.knobs))
                 del k_cache, v_cache, indices
     print_table(f"paged_attention ({ATTN_HEADS} q / {ATTN_KV_HEADS} kv heads, all cached keys, bf16) vs XLA gather + "
                 f"attention; HBM bound = K/V bytes / {args.hbm_bw:.3g} B/s", [

@@ -862,9 +862,18 @@ s40-since29)  # issue #14: E4B's bs-1 decode and verify steps (4K) with this tre
       cat /tmp/since-$step-$i.log >> "$OUT/since29.log"
       echo "== $step $v run $i (${SECONDS}s, $(PYTHONPATH=$pp python3 -P -c 'import jaxspec; print(jaxspec.__file__)')):" \
         "$(grep -hE '^step of|Error' /tmp/since-$step-$i.log | tr '\n' ' ')"; done; done ;;
-s43-bs64)  # issue #14: the bs-64 propose (E4B drafter, k 3, 4K, the default program as the goal row runs it, fresh
-  # host inputs a call) traced with XLA's optimized HLO beside it, every kernel named (`bench trace --hlo`): the one
-  # goal row missed by a few percent (session 40's H200: 3 463 us against <= 3 276) had never been traced
+s43-bs64)  # issue #14: the bs-64 propose, the goal row missed by a few percent (session 40's H200: 3 463 us against
+  # <= 3 276), never traced. First the attention kernel alone at the drafter's batch, its K/V bytes against the HBM
+  # bound (8 q / 2 kv heads), with other knobs beside the default (`bench kernels --knobs`): the global layer's 4K
+  # keys (at bs 1 too), then a sliding layer's 512; then the propose (E4B drafter, k 3, 4K, the default program as
+  # the goal row runs it, fresh host inputs a call) traced with XLA's optimized HLO beside it, every kernel named
+  timeout ${KERNELS_TIMEOUT:-150} python3 -m jaxspec.bench kernels --part attention --bs ${KNOBS_BS:-1,64} --ctx 4096 --head-dim 512 \
+    --tq 1 --iters 20 --knobs ${KNOBS_GLOBAL:-bk32w8st2,bk32w8st2s4,bk32w4st2,bk32w4st2s4,bk16w4st2,bk16w4st2s4,bk32w8st1s4,bk64w8st2,bk16w8st3s4} \
+    --json "$OUT/kernels-attention-bs64-global.json" > "$OUT/kernels-attention-bs64.log" 2>&1
+  timeout ${KERNELS_TIMEOUT:-150} python3 -m jaxspec.bench kernels --part attention --bs 64 --ctx 512 --head-dim 256 \
+    --tq 1 --iters 20 --knobs ${KNOBS_SLIDING:-bk64w4st2s4,bk32w4st2,bk32w4st2s4,bk64w8st2s2,bk32w8st3} \
+    --json "$OUT/kernels-attention-bs64-sliding.json" >> "$OUT/kernels-attention-bs64.log" 2>&1
+  grep -E "^attention|Error|error" "$OUT/kernels-attention-bs64.log" | head -8
   rm -rf /tmp/hlo /tmp/ph
   XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true --xla_dump_to=/tmp/hlo" timeout ${PROPOSE_TIMEOUT:-200} \
     python3 -m jaxspec.bench propose --bs 64 --ctx 4096 --variants bucketed --profile-dir /tmp/ph \
@@ -873,16 +882,7 @@ s43-bs64)  # issue #14: the bs-64 propose (E4B drafter, k 3, 4K, the default pro
   [ -n "$f" ] && xz -c "$f" > "$OUT/propose-bs64-hlo.txt.xz"
   timeout 120 python3 -m jaxspec.bench trace /tmp/ph --rounds 20 --top 400 $([ -n "$f" ] && echo "--hlo $f") \
     --json "$OUT/trace-propose-bs64-hlo-experiment.json" >> "$OUT/propose-bs64-hlo.log" 2>&1
-  grep "^propose ctx\|launches\|Error\|error" "$OUT/propose-bs64-hlo.log" | head -6
-  # the attention kernel alone at the drafter's batch, its K/V bytes against the HBM bound (8 q / 2 kv heads), with
-  # other knobs beside the default (`bench kernels --knobs`): the global layer's 4K keys, then a sliding layer's 512
-  timeout ${KERNELS_TIMEOUT:-150} python3 -m jaxspec.bench kernels --part attention --bs 64 --ctx 4096 --head-dim 512 \
-    --tq 1 --iters 20 --knobs ${KNOBS_GLOBAL:-bk32w8st1s4,bk32w8st1s8,bk32w4st1,bk32w4st1s4,bk16w4st2,bk16w4st2s4,bk16w8st2s4,bk64w8st1,bk64w8st1s4} \
-    --json "$OUT/kernels-attention-bs64-global.json" > "$OUT/kernels-attention-bs64.log" 2>&1
-  timeout ${KERNELS_TIMEOUT:-150} python3 -m jaxspec.bench kernels --part attention --bs 64 --ctx 512 --head-dim 256 \
-    --tq 1 --iters 20 --knobs ${KNOBS_SLIDING:-bk64w4st2s4,bk32w4st2,bk32w4st2s4,bk64w4st2,bk64w8st2s2} \
-    --json "$OUT/kernels-attention-bs64-sliding.json" >> "$OUT/kernels-attention-bs64.log" 2>&1
-  grep -E "^attention|Error|error" "$OUT/kernels-attention-bs64.log" | head -8 ;;
+  grep "^propose ctx\|launches\|Error\|error" "$OUT/propose-bs64-hlo.log" | head -6 ;;
 s42-one)  # issue #14, session 42's one call: on an H200 the verify change's kernel tests and one A/B pair
   # (s42-verify-attn, VERIFY_SEQ "1 0"), then the goal rows if time is left; on another card s42-verify-attn in full
   # (its tests, "1 0 1 0"). S42_LIMIT: the seconds the call may take (default 580). Every file comes back in one

@@ -862,6 +862,22 @@ s40-since29)  # issue #14: E4B's bs-1 decode and verify steps (4K) with this tre
       cat /tmp/since-$step-$i.log >> "$OUT/since29.log"
       echo "== $step $v run $i (${SECONDS}s, $(PYTHONPATH=$pp python3 -P -c 'import jaxspec; print(jaxspec.__file__)')):" \
         "$(grep -hE '^step of|Error' /tmp/since-$step-$i.log | tr '\n' ' ')"; done; done ;;
+s43-attn-ab)  # issue #14: the tree's attention kernel against .before/s43/paged_attention.py (carried: the kernel
+  # before session 43's long walks, 8 warps at head_dim 256 and 512 and 1 stage at 512 in every call; session 43's
+  # call 5 ran it with 4 warps and 2 stages in every call, the tree now takes them in long walks only, `walk_knobs`),
+  # each program in its own process in AB_SEQ's order (default "new old new old"), as long as AB_BUDGET s allow: the
+  # bs-64 propose (the goal row's command), then AB_MORE's rows (default the verify goal rows, bs 1 and 16)
+  ab_save jaxspec/pallas/paged_attention.py; i=0
+  for v in ${AB_SEQ-new old new old}; do i=$((i + 1))
+    [ $SECONDS -lt ${AB_BUDGET:-200} ] || { echo "== time: stopped before run $i"; break; }
+    if [ $v = old ]; then cp .before/s43/paged_attention.py jaxspec/pallas/; else ab_use new jaxspec/pallas/paged_attention.py; fi
+    timeout ${PROPOSE_TIMEOUT:-120} python3 -m jaxspec.bench propose --bs 64 --ctx 4096 --variants bucketed \
+      --json "$OUT/propose-attn-$v-run$i.json" > /tmp/ab.log 2>&1
+    echo "== $v run $i (${SECONDS}s): $(grep -h '^propose ctx\|Error' /tmp/ab.log | tr '\n' ' ')"
+    [ "${AB_MORE-verify}" = verify ] && [ $SECONDS -lt ${AB_BUDGET:-200} ] && { timeout ${VERIFY_TIMEOUT:-120} python3 -m \
+      jaxspec.bench verify --bs 1,16 --json "$OUT/verify-attn-$v-run$i.json" > /tmp/ab.log 2>&1
+      echo "== $v run $i verify (${SECONDS}s): $(grep -h '^verify\|^step\|Error' /tmp/ab.log | tr '\n' ' ')"; }
+  done; ab_use new jaxspec/pallas/paged_attention.py ;;
 s43-bs64)  # issue #14: the bs-64 propose, the goal row missed by a few percent (session 40's H200: 3 463 us against
   # <= 3 276), never traced. First the attention kernel alone at the drafter's batch, its K/V bytes against the HBM
   # bound (8 q / 2 kv heads), with other knobs beside the default (`bench kernels --knobs`): the global layer's 4K

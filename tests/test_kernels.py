@@ -22,7 +22,8 @@ from jaxspec.pallas.qkv_cache import q_rope_ref, qkv_cache_ref
 from jaxspec.pallas.row_norms import Vec
 from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_qkv,
                                             paged_attention_ref,
-                                            paged_attention_rows, query_rows, row_ranges)
+                                            paged_attention_rows, query_rows, row_ranges, default_splits,
+                                            walk_knobs)
 
 # The kernel modules silence this at import, but pytest resets warning filters for each test.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -183,6 +184,50 @@ def test_granule_pieces_match_reference(case):
     """granule 16 under 32-key blocks: pieces of the live span end inside a block (the keys past a piece's end are
     its neighbour's), on the poisoned pools of the mixed batch: still the reference's attention."""
     assert_matches_reference(*ATTENTION_CASES[case], gather_q=True, block_k=32, granule=16, num_splits=4)
+
+
+@pytest.mark.parametrize("case", [5, 6], ids=["g2-tq4-d256-bf16-swa", "g2-tq1-d512-full"])
+def test_long_walk_knobs_match_reference(case):
+    """`walk_knobs`' long-walk form (4 warps, K / V a block ahead: 2 stages) at the head dims it changes, on the
+    poisoned pools of the mixed batch: the reference's attention; on a GPU also the short-walk form's output bit
+    for bit (neither knob moves a block's keys or the order of the sums). In Pallas' interpreter the knobs do
+    nothing: this test is the GPU lane's."""
+    assert_matches_reference(*ATTENTION_CASES[case], gather_q=True, block_k=32, num_warps=4, num_stages=2)
+    if jax.default_backend() == "gpu":
+        g, tq, d, dtype, window, cached, tuning = ATTENTION_CASES[case]
+        rng = np.random.default_rng(0)
+        batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
+        x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
+        run = functools.partial(paged_attention, x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo,
+                                batch.q_hi, scale=0.3, block_k=32, gather_q=True, **tuning)
+        np.testing.assert_array_equal(np.asarray(run(num_warps=4, num_stages=2).astype(jnp.float32)),
+                                      np.asarray(run(num_warps=8, num_stages=1 if d >= 512 else 2).astype(jnp.float32)))
+
+
+def test_walk_knobs_leave_the_bs1_steps_as_tuned():
+    """Which of E4B's attention calls take the long-walk form (`walk_knobs`), from the real geometry (each layer
+    type's kv_indices width at 4K and `default_splits`): every call of a bs-1 step (decode, verify, the drafter's
+    propose) keeps the form it was tuned and timed with; the drafter's bs-64 propose (both layer types) and the
+    target's bs-16 verify over its global layers' 4K keys walk long."""
+    from jaxspec.config import FULL, PRESETS, SLIDING
+    from jaxspec.paged_kv.metadata import round_width
+
+    cfg = PRESETS["E4B"]
+
+    def knobs(bs: int, tq: int, group: int, layer_type: str, keep: int):
+        d = cfg.type_head_dim(layer_type)
+        width = round_width(4096 if layer_type == FULL else keep + tq)
+        block_q, rows = query_rows(tq, group, d)
+        splits = default_splits(bs, cfg.type_kv_heads(layer_type), rows // block_q, width, 64 if d <= 128 else 32)
+        return walk_knobs(d, width, splits)
+
+    target_g, drafter_g = cfg.num_heads // cfg.num_kv_heads, 4 // cfg.num_kv_heads
+    for layer_type, short in ((SLIDING, (8, 2)), (FULL, (8, 1))):
+        for tq in (1, 4):  # the target's decode and verify steps
+            assert knobs(1, tq, target_g, layer_type, cfg.sliding_window - 1) == short
+        assert knobs(1, 1, drafter_g, layer_type, cfg.sliding_window + 1) == short  # the bs-1 propose
+        assert knobs(64, 1, drafter_g, layer_type, cfg.sliding_window + 1) == (4, 2)  # the bs-64 propose
+    assert knobs(16, 4, target_g, FULL, 0) == (4, 2)
 
 
 def shared_q_case(case: int, seed: int = 3):

@@ -143,17 +143,16 @@ def attention_rows(args, rng) -> list[dict]:
                     q_hi = jnp.broadcast_to(ctx - tq + jnp.arange(tq, dtype=jnp.int32), (bs, tq))
                     row = {"head_dim": d, "bs": bs, "ctx": ctx, "tq": tq, "kv_bytes": kv_bytes,
                            "bound_us": kv_bytes / args.hbm_bw * 1e6}
+                    def call(fn, i, kv=(k_cache, v_cache, indices)):  # one input set's call of fn
+                        return fn(qs[i], kv[0], kv[1], kv[2][i], kv_start, q_lo, q_hi)
+
                     for name, fn in (("floor_us", dispatch_floor), ("kernel_us", paged_attention), ("ref_us", ref)):
-                        row[name] = median_us(lambda i, fn=fn: fn(qs[i], k_cache, v_cache, indices[i], kv_start,
-                                                                  q_lo, q_hi), args.iters)
+                        row[name] = median_us(functools.partial(call, fn), args.iters)
                     for token, knobs in args.knobs:  # the same call with other knobs: its time and its output
                         fn = functools.partial(paged_attention, **knobs)
-                        run_knobs = lambda i, fn=fn: fn(qs[i], k_cache, v_cache, indices[i], kv_start, q_lo,  # noqa: E731
-                                                        q_hi)
-                        row[f"{token}_us"] = median_us(run_knobs, args.iters)
+                        row[f"{token}_us"] = median_us(functools.partial(call, fn), args.iters)
                         row[f"{token}_max_abs_diff"] = float(jnp.max(jnp.abs(
-                            run_knobs(0).astype(jnp.float32) - paged_attention(
-                                qs[0], k_cache, v_cache, indices[0], kv_start, q_lo, q_hi).astype(jnp.float32))))
+                            call(fn, 0).astype(jnp.float32) - call(paged_attention, 0).astype(jnp.float32))))
                     row["ref/kernel"] = row["ref_us"] / row["kernel_us"]
                     row["kernel/bound"] = row["kernel_us"] / row["bound_us"]
                     row["ref/bound"] = row["ref_us"] / row["bound_us"]

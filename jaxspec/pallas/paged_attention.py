@@ -386,6 +386,25 @@ def default_splits(rows: int, kv_heads: int, row_blocks: int, width: int, block_
     return max(1, min(64, per_row, _next_pow2(pl.cdiv(width, block_k))))
 
 
+# `walk_knobs`' long-walk form: at most this many pieces a row (a call of many rows), each of up to this many keys
+LONG_WALK_PIECES, LONG_WALK_KEYS = 8, 256
+
+
+def walk_knobs(head_dim: int, width: int, num_splits: int) -> tuple[int, int]:
+    """(num_warps, num_stages) of the attention kernel by default. A call of many rows cuts each row into few pieces
+    (`default_splits`: the drafter's bs-64 propose 2, the target's bs-16 verify over 4K keys 8), so each program
+    walks long: with at most LONG_WALK_PIECES pieces of up to LONG_WALK_KEYS keys or more it walks with 4 warps and
+    each block's K / V copied while the block before it is attended (2 stages). The many short pieces of a bs-1
+    step keep the form they were tuned with: 4 warps at head_dim <= 128, else 8, and 1 stage at 512 (whose walk
+    waits for each block's loads). Measured on an H100 (session 43, `bench kernels --knobs`, E4B's shapes): the
+    global layer's 4K keys at bs 64 968 -> 588 us, at bs 16 293 -> 201 (1 query) and 310 -> 190 (4); a sliding
+    layer's 512 at bs 64 185 -> 133; the drafter's bs-64 propose 3 264 -> 2 413 us. Neither knob changes which keys
+    a block holds or the order of the sums: the output was the same bit for bit in every shape timed."""
+    if num_splits <= LONG_WALK_PIECES and width >= LONG_WALK_KEYS * num_splits:
+        return 4, 2
+    return (4 if head_dim <= 128 else 8), (1 if head_dim >= 512 else 2)
+
+
 def merge_block_d(head_dim: int, num_splits: int, block_q: int, tiles: int) -> int:
     """Columns of the output per merge program: all splits of a [block_q, block_d] tile in at most 16K fp32
     registers' worth, and cut further (to 16 columns at least) until the `tiles` query blocks' columns make about
@@ -557,16 +576,15 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
             raise ValueError(f"{name} ({size}) must be a power of two >= {_MIN_DOT}")
     if granule is not None and granule > block_k:
         raise ValueError(f"granule ({granule}) must be at most block_k ({block_k})")
-    if num_warps is None:
-        num_warps = 4 if D <= 128 else 8
-    if num_stages is None:
-        num_stages = 1 if D >= 512 else 2  # head_dim 512 K/V tiles overflow shared memory with 2 stages
     if interpret is None:
         interpret = interpret_by_default()
     row_blocks = padded_rows // block_q
     if num_splits is None:
         num_splits = 2 if interpret else default_splits(B, KVH, row_blocks, width, block_k)
     num_splits = _next_pow2(num_splits)  # the merge kernel holds the splits in one power-of-two block
+    warps, stages = walk_knobs(D, width, num_splits)
+    num_warps = warps if num_warps is None else num_warps
+    num_stages = stages if num_stages is None else num_stages
 
     fixed_chunk = pl.cdiv(pl.cdiv(width, num_splits), block_k) * block_k if fixed_splits else None
     if gather_q is not None:

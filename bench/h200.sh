@@ -142,6 +142,20 @@ traced_propose() {  # $1 a file tag, $2 batch sizes, $3 variants (the first trac
   echo "== $3"; grep "^propose ctx\|launches\|Error\|error:" "$OUT/propose-$1.log" | head -5
 }
 
+named_propose() {  # $1 a file tag, $2 a batch size, $3 the variant, $4 a timeout: one propose run (E4B drafter, k 3,
+  # 4K) traced with XLA's optimized HLO beside it (xz-packed), so that `bench trace --hlo` names every kernel of it
+  # (shape and jax op): $OUT/$1-experiment.json, $OUT/$1.txt.xz, $OUT/trace-$1-experiment.json, $OUT/$1.log
+  rm -rf /tmp/hlo /tmp/ph
+  XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true --xla_dump_to=/tmp/hlo" timeout "$4" \
+    python3 -m jaxspec.bench propose --bs "$2" --ctx 4096 --variants "$3" --profile-dir /tmp/ph \
+    --json "$OUT/$1-experiment.json" > "$OUT/$1.log" 2>&1
+  local f; f=$(ls -S /tmp/hlo/*after_optimizations.txt 2>/dev/null | head -1)
+  [ -n "$f" ] && xz -c "$f" > "$OUT/$1.txt.xz"
+  timeout 120 python3 -m jaxspec.bench trace /tmp/ph --rounds 20 --top 400 $([ -n "$f" ] && echo "--hlo $f") \
+    --json "$OUT/trace-$1-experiment.json" >> "$OUT/$1.log" 2>&1
+  grep "^propose ctx\|launches\|Error\|error" "$OUT/$1.log" | head -6
+}
+
 goal_rows() {  # every goal row of issue #14 (E4B, 4K, the defaults): the propose at bs 1 and 64 (bucketed: the default
   # program, fresh host inputs each call), verify at bs 1 and 16, decode at bs 1 (paged), each in its own process (a
   # cut loses one row, not all); then `python -m jaxspec.bench goals` here
@@ -890,15 +904,7 @@ s43-bs64)  # issue #14: the bs-64 propose, the goal row missed by a few percent 
     --tq 1 --iters 20 --knobs ${KNOBS_SLIDING:-bk64w4st2s4,bk32w4st2,bk32w4st2s4,bk64w8st2s2,bk32w8st3} \
     --json "$OUT/kernels-attention-bs64-sliding.json" >> "$OUT/kernels-attention-bs64.log" 2>&1
   grep -E "^attention|Error|error" "$OUT/kernels-attention-bs64.log" | head -8
-  rm -rf /tmp/hlo /tmp/ph
-  XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true --xla_dump_to=/tmp/hlo" timeout ${PROPOSE_TIMEOUT:-200} \
-    python3 -m jaxspec.bench propose --bs 64 --ctx 4096 --variants bucketed --profile-dir /tmp/ph \
-    --json "$OUT/propose-bs64-hlo-experiment.json" > "$OUT/propose-bs64-hlo.log" 2>&1
-  f=$(ls -S /tmp/hlo/*after_optimizations.txt 2>/dev/null | head -1)
-  [ -n "$f" ] && xz -c "$f" > "$OUT/propose-bs64-hlo.txt.xz"
-  timeout 120 python3 -m jaxspec.bench trace /tmp/ph --rounds 20 --top 400 $([ -n "$f" ] && echo "--hlo $f") \
-    --json "$OUT/trace-propose-bs64-hlo-experiment.json" >> "$OUT/propose-bs64-hlo.log" 2>&1
-  grep "^propose ctx\|launches\|Error\|error" "$OUT/propose-bs64-hlo.log" | head -6 ;;
+  named_propose propose-bs64-hlo 64 bucketed ${PROPOSE_TIMEOUT:-200} ;;
 s42-one)  # issue #14, session 42's one call: on an H200 the verify change's kernel tests and one A/B pair
   # (s42-verify-attn, VERIFY_SEQ "1 0"), then the goal rows if time is left; on another card s42-verify-attn in full
   # (its tests, "1 0 1 0"). S42_LIMIT: the seconds the call may take (default 580). Every file comes back in one
@@ -1352,15 +1358,7 @@ s37-named)  # issue #14: decode (paged) and verify at bs 1, E4B, 4K, each traced
     echo "== $g: $(grep -h '^step of\|launches\|Error\|error' "$OUT/$g-named.log" | head -3 | tr '\n' ' ')"; done ;;
 s21-propose-hlo)  # issue #14: E4B's drafter propose (bs 1, 4K, the stable variant: inputs on the device) traced with
   # XLA's optimized HLO beside it, so that `bench trace --hlo` names every kernel of a propose (shape and jax op)
-  rm -rf /tmp/hlo /tmp/ph
-  XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true --xla_dump_to=/tmp/hlo" timeout ${PROPOSE_TIMEOUT:-150} \
-    python3 -m jaxspec.bench propose --bs 1 --ctx 4096 --variants stable --profile-dir /tmp/ph \
-    --json "$OUT/propose-hlo-experiment.json" > "$OUT/propose-hlo.log" 2>&1
-  f=$(ls -S /tmp/hlo/*after_optimizations.txt 2>/dev/null | head -1)
-  [ -n "$f" ] && xz -c "$f" > "$OUT/propose-hlo.txt.xz"
-  timeout 120 python3 -m jaxspec.bench trace /tmp/ph --rounds 20 --top 400 $([ -n "$f" ] && echo "--hlo $f") \
-    --json "$OUT/trace-propose-hlo-experiment.json" >> "$OUT/propose-hlo.log" 2>&1
-  grep "^propose ctx\|launches\|Error\|error" "$OUT/propose-hlo.log" | head -6 ;;
+  named_propose propose-hlo 1 stable ${PROPOSE_TIMEOUT:-150} ;;
 s20-fused-trace)  # issue #14: why the fused drafter step is slower with stable addresses: fused_stable and stable each
   # traced (the first variant listed is the traced one), one process each, side by side in one call
   for v in fused_stable stable; do o=$([ $v = stable ] && echo fused_stable || echo stable); rm -rf /tmp/pt

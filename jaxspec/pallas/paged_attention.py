@@ -393,8 +393,9 @@ LONG_WALK_PIECES, LONG_WALK_KEYS = 8, 256
 def walk_knobs(head_dim: int, width: int, num_splits: int) -> tuple[int, int]:
     """(num_warps, num_stages) of the attention kernel by default. A call of many rows cuts each row into few pieces
     (`default_splits`: the drafter's bs-64 propose 2, the target's bs-16 verify over 4K keys 8), so each program
-    walks long: with at most LONG_WALK_PIECES pieces of up to LONG_WALK_KEYS keys or more it walks with 4 warps and
-    each block's K / V copied while the block before it is attended (2 stages). The many short pieces of a bs-1
+    walks long: where a row has at most LONG_WALK_PIECES pieces and a piece may hold LONG_WALK_KEYS keys or more
+    (width / pieces), it walks with 4 warps and each block's K / V copied while the block before it is attended
+    (2 stages). The many short pieces of a bs-1
     step keep the form they were tuned with: 4 warps at head_dim <= 128, else 8, and 1 stage at 512 (whose walk
     waits for each block's loads). Measured on an H100 (session 43, `bench kernels --knobs`, E4B's shapes): the
     global layer's 4K keys at bs 64 968 -> 588 us, at bs 16 293 -> 201 (1 query) and 310 -> 190 (4); a sliding

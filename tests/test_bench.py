@@ -105,7 +105,8 @@ def test_memory(tmp_path):
     assert first["with_swa_bytes"] == first["full_bytes"] + first["swa_pages"] * 16 * 40960
 
 
-@pytest.mark.parametrize("argv", [["kernels", "--bs", "1,x"], ["propose", "--variants", "bucketed,split"],
+@pytest.mark.parametrize("argv", [["kernels", "--bs", "1,x"], ["kernels", "--knobs", "bk32w4"],
+                                  ["propose", "--variants", "bucketed,split"],
                                   ["e2e", "--modes", "off,bucketed-foo"], ["verify", "--cache", "paged,dense"],
                                   ["decode", "--cache", "paged,stable"]])
 def test_bad_lists_exit_2(argv, capsys):

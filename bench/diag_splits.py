@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.pallas.paged_attention import default_splits, paged_attention_rows, query_rows, row_ranges
+from jaxspec.pallas.paged_attention import (default_block_k, default_splits, paged_attention_rows, query_rows,
+                                            row_ranges)
 
 def median_us(run, inputs, iters: int) -> float:
     """Median wall time of a call in µs, the result waited for."""
@@ -147,7 +148,7 @@ def main(argv=None):
             row_lo, row_hi, span = row_ranges(kv_start, q_lo, q_hi, G, padded, width)
             q = jax.random.normal(jax.random.fold_in(key, 2), (1, KVH, padded, D), jnp.bfloat16)
             inputs = (q, k, v, idx, kv_start, row_lo, row_hi, span)
-            default = default_splits(1, KVH, padded // block_q, width, 64 if D <= 128 else 32)
+            default = default_splits(1, KVH, padded // block_q, width, default_block_k(D))
             row = {"width": width, "live": live, "tq": tq, "layers": args.layers, "default_splits": default,
                    "head_dim": D, "kv_heads": KVH, "group": G}
             ref = np.asarray(chain(args.layers, 1)(*inputs), np.float32)

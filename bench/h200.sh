@@ -177,9 +177,10 @@ ab_save() {  # the working tree's versions of these repo files, kept for ab_use 
   rm -rf /tmp/ab-new && mkdir -p /tmp/ab-new && cp "$@" /tmp/ab-new/
 }
 
-ab_use() {  # $1 new or old, the rest repo files: each from ab_save's copy (new) or from .before/<its name> (old)
+ab_use() {  # $1 new or old, the rest repo files: each from ab_save's copy (new) or from $AB_OLD/<its name> (old;
+  # AB_OLD default .before)
   local v=$1 f; shift
-  for f in "$@"; do cp "$([[ $v == old ]] && echo .before || echo /tmp/ab-new)/$(basename "$f")" "$f"; done
+  for f in "$@"; do cp "$([[ $v == old ]] && echo "${AB_OLD:-.before}" || echo /tmp/ab-new)/$(basename "$f")" "$f"; done
 }
 
 traced_step() {  # $1 a tag (the files $OUT/$1.json and $OUT/trace-$1.json, the log /tmp/$1.log), $2 the run's
@@ -884,7 +885,7 @@ s43-attn-ab)  # issue #14: the tree's attention kernel against .before/s43/paged
   ab_save jaxspec/pallas/paged_attention.py; i=0
   for v in ${AB_SEQ-new old new old}; do i=$((i + 1))
     [ $SECONDS -lt ${AB_BUDGET:-200} ] || { echo "== time: stopped before run $i"; break; }
-    if [ $v = old ]; then cp .before/s43/paged_attention.py jaxspec/pallas/; else ab_use new jaxspec/pallas/paged_attention.py; fi
+    AB_OLD=.before/s43 ab_use $v jaxspec/pallas/paged_attention.py
     timeout ${PROPOSE_TIMEOUT:-120} python3 -m jaxspec.bench propose --bs 64 --ctx 4096 --variants bucketed \
       --json "$OUT/propose-attn-$v-run$i.json" > /tmp/ab.log 2>&1
     echo "== $v run $i (${SECONDS}s): $(grep -h '^propose ctx\|Error' /tmp/ab.log | tr '\n' ' ')"

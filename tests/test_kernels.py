@@ -22,8 +22,8 @@ from jaxspec.pallas.qkv_cache import q_rope_ref, qkv_cache_ref
 from jaxspec.pallas.row_norms import Vec
 from jaxspec.pallas.paged_attention import (paged_attention, paged_attention_blocked, paged_attention_qkv,
                                             paged_attention_ref,
-                                            paged_attention_rows, query_rows, row_ranges, default_splits,
-                                            walk_knobs)
+                                            paged_attention_rows, query_rows, row_ranges, default_block_k,
+                                            default_splits, walk_knobs)
 
 # The kernel modules silence this at import, but pytest resets warning filters for each test.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -146,7 +146,8 @@ ATTENTION_CASES = [
 
 def assert_matches_reference(g, tq, d, dtype, window, cached, tuning, block_k=16, **kw):
     """One case of ATTENTION_CASES (a mixed batch, poisoned pools, blocks of 16 keys unless block_k) through
-    `paged_attention` with the options kw (over the case's tuning), against the exact reference on the clean pools."""
+    `paged_attention` with the options kw (over the case's tuning), against the exact reference on the clean pools.
+    Returns the kernel's output (fp32)."""
     rng = np.random.default_rng(0)
     batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
     x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
@@ -158,6 +159,7 @@ def assert_matches_reference(g, tq, d, dtype, window, cached, tuning, block_k=16
     np.testing.assert_array_equal(got[-1], 0.0)  # padded row: no query sees a key
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    return got
 
 
 @pytest.mark.parametrize("gather_q", [False, True], ids=["q-rows", "q-gathered"])
@@ -192,16 +194,11 @@ def test_long_walk_knobs_match_reference(case):
     poisoned pools of the mixed batch: the reference's attention; on a GPU also the short-walk form's output bit
     for bit (neither knob moves a block's keys or the order of the sums). In Pallas' interpreter the knobs do
     nothing: this test is the GPU lane's."""
-    assert_matches_reference(*ATTENTION_CASES[case], gather_q=True, block_k=32, num_warps=4, num_stages=2)
+    long = assert_matches_reference(*ATTENTION_CASES[case], gather_q=True, block_k=32, num_warps=4, num_stages=2)
     if jax.default_backend() == "gpu":
-        g, tq, d, dtype, window, cached, tuning = ATTENTION_CASES[case]
-        rng = np.random.default_rng(0)
-        batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
-        x = attention_inputs(rng, batch, kvh=2, g=g, tq=tq, d=d, dtype=dtype)
-        run = functools.partial(paged_attention, x.q, x.k_bad, x.v_bad, x.indices, batch.starts, batch.q_lo,
-                                batch.q_hi, scale=0.3, block_k=32, gather_q=True, **tuning)
-        np.testing.assert_array_equal(np.asarray(run(num_warps=4, num_stages=2).astype(jnp.float32)),
-                                      np.asarray(run(num_warps=8, num_stages=1 if d >= 512 else 2).astype(jnp.float32)))
+        short = assert_matches_reference(*ATTENTION_CASES[case], gather_q=True, block_k=32, num_warps=8,
+                                         num_stages=1 if ATTENTION_CASES[case][2] >= 512 else 2)
+        np.testing.assert_array_equal(long, short)
 
 
 def test_walk_knobs_leave_the_bs1_steps_as_tuned():
@@ -218,7 +215,7 @@ def test_walk_knobs_leave_the_bs1_steps_as_tuned():
         d = cfg.type_head_dim(layer_type)
         width = round_width(4096 if layer_type == FULL else keep + tq)
         block_q, rows = query_rows(tq, group, d)
-        splits = default_splits(bs, cfg.type_kv_heads(layer_type), rows // block_q, width, 64 if d <= 128 else 32)
+        splits = default_splits(bs, cfg.type_kv_heads(layer_type), rows // block_q, width, default_block_k(d))
         return walk_knobs(d, width, splits)
 
     target_g, drafter_g = cfg.num_heads // cfg.num_kv_heads, 4 // cfg.num_kv_heads
@@ -261,6 +258,7 @@ def test_shared_q_norm_rope_in_the_kernel_matches_reference(case):
     assert np.isfinite(got).all()
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    return got
 
 
 QKV_CASES = [  # case of ATTENTION_CASES, dtype, has_v, v_norm
@@ -410,6 +408,7 @@ def test_blocked_attention_matches_reference(g, tq, d, dtype, window, cached, bl
     np.testing.assert_array_equal(got[-1], 0.0)  # padded row: no query sees a key
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    return got
 
 
 def test_blocked_attention_comparison_has_teeth(monkeypatch):

@@ -386,6 +386,12 @@ def default_splits(rows: int, kv_heads: int, row_blocks: int, width: int, block_
     return max(1, min(64, per_row, _next_pow2(pl.cdiv(width, block_k))))
 
 
+def default_block_k(head_dim: int) -> int:
+    """Keys a block of the kernel's walk holds by default: 64, or 32 past head_dim 128 (K and V tiles of 32 KB each
+    at 512)."""
+    return 64 if head_dim <= 128 else 32
+
+
 # `walk_knobs`' long-walk form: at most this many pieces a row (a call of many rows), each of up to this many keys
 LONG_WALK_PIECES, LONG_WALK_KEYS = 8, 256
 
@@ -395,9 +401,8 @@ def walk_knobs(head_dim: int, width: int, num_splits: int) -> tuple[int, int]:
     (`default_splits`: the drafter's bs-64 propose 2, the target's bs-16 verify over 4K keys 8), so each program
     walks long: where a row has at most LONG_WALK_PIECES pieces and a piece may hold LONG_WALK_KEYS keys or more
     (width / pieces), it walks with 4 warps and each block's K / V copied while the block before it is attended
-    (2 stages). The many short pieces of a bs-1
-    step keep the form they were tuned with: 4 warps at head_dim <= 128, else 8, and 1 stage at 512 (whose walk
-    waits for each block's loads). Measured on an H100 (session 43, `bench kernels --knobs`, E4B's shapes): the
+    (2 stages). The many short pieces of a bs-1 step keep the form they were tuned with: 4 warps at head_dim <= 128,
+    else 8, and 1 stage at 512 (whose walk waits for each block's loads). Measured on an H100 (session 43, `bench kernels --knobs`, E4B's shapes): the
     global layer's 4K keys at bs 64 968 -> 588 us, at bs 16 293 -> 201 (1 query) and 310 -> 190 (4); a sliding
     layer's 512 at bs 64 185 -> 133; the drafter's bs-64 propose 3 264 -> 2 413 us. Neither knob changes which keys
     a block holds or the order of the sums: the output was the same bit for bit in every shape timed."""
@@ -569,7 +574,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
         raise ValueError(f"metadata rows {B}, row masks {row_lo.shape}, span {span.shape} do not fit the queries' "
                          f"{Bq} rows x {padded_rows}")  # a program past them would read out of bounds
     if block_k is None:
-        block_k = 64 if D <= 128 else 32
+        block_k = default_block_k(D)
     if block_q is None:
         block_q = min(max(_MIN_DOT, 16384 // D), padded_rows)
     for name, size in (("head_dim", D), ("block_k", block_k), ("block_q", block_q), ("granule", granule or block_k)):

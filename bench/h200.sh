@@ -877,6 +877,38 @@ s40-since29)  # issue #14: E4B's bs-1 decode and verify steps (4K) with this tre
       cat /tmp/since-$step-$i.log >> "$OUT/since29.log"
       echo "== $step $v run $i (${SECONDS}s, $(PYTHONPATH=$pp python3 -P -c 'import jaxspec; print(jaxspec.__file__)')):" \
         "$(grep -hE '^step of|Error' /tmp/since-$step-$i.log | tr '\n' ' ')"; done; done ;;
+s44-one)  # issue #14, session 44's first call: the GPU lane of session 43's long walks (the kernel's bit-equality
+  # test, the verify's in-kernel q/k/v step in the long form and in the engine), then on an H200 the goal
+  # rows and, time left, s43-attn-ab; on another card s43-attn-ab with the verify rows (bs 1 and 16) in
+  # S44_SEQ's order. S44_LIMIT: the call's seconds (default 570). Every file comes back in one archive (all.tgz)
+  R=$OUT; mkdir -p "$R/a" "$R/b"; g="$(nvidia-smi --query-gpu=name --format=csv,noheader)"; need_xdist
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-170} python3 -m pytest -v -p no:cacheprovider --tb=short \
+    -rfEs -n ${WORKERS:-8} ${S44_TESTS:-tests/test_kernels.py::test_long_walk_knobs_match_reference \
+    tests/test_kernels.py::test_walk_knobs_leave_the_bs1_steps_as_tuned \
+    tests/test_kernels.py::test_qkv_in_the_attention_kernel_long_walk_matches_reference \
+    tests/test_rounds.py::test_verify_steps_norm_and_rotate_in_the_attention_kernel} > "$R/tests-s44.txt" 2>&1
+  grep -E "(passed|failed).* in |^FAILED|^ERROR|^SKIPPED" "$R/tests-s44.txt" | tail -12; echo "== tests (${SECONDS}s)"
+  case "$g" in
+    *H200*) OUT=$R/a PROPOSE_TIMEOUT=150 VERIFY_TIMEOUT=150 DECODE_TIMEOUT=90 goal_rows
+            echo "== goal rows (${SECONDS}s)"
+            OUT=$R/b AB_SEQ="${S44_SEQ:-new old}" AB_BUDGET=$((${S44_LIMIT:-570} - 150 - SECONDS)) AB_MORE=none \
+              bash bench/h200.sh s43-attn-ab ;;
+    *) OUT=$R/b AB_SEQ="${S44_SEQ:-new old new old}" AB_BUDGET=$((${S44_LIMIT:-570} - 130 - SECONDS)) VERIFY_TIMEOUT=130 \
+         bash bench/h200.sh s43-attn-ab ;;
+  esac
+  echo "== $g, end (${SECONDS}s)"; (cd "$R" && tar czf all.tgz a b && rm -rf a b); OUT=$R ;;
+s44-verify16)  # issue #14: E4B's bs-16 verify (4K, 4 positions) traced, the tree's attention kernel against
+  # .before/s43/paged_attention.py (carried; before the long walks), one process a run in S44_SEQ's order (default
+  # "new old new old") while S44_BUDGET s allow: session 44's call 1 timed it level (8.031 against 7.910 / 7.981 ms)
+  # where the kernel alone at its shape ran 32-39% faster
+  ab_save jaxspec/pallas/paged_attention.py; i=0
+  for v in ${S44_SEQ:-new old new old}; do i=$((i + 1))
+    [ $SECONDS -lt ${S44_BUDGET:-420} ] || { echo "== time: stopped before run $i"; break; }
+    AB_OLD=.before/s43 ab_use $v jaxspec/pallas/paged_attention.py
+    t=verify16-$v-run$i; traced_step $t "" ${VERIFY_TIMEOUT:-150} verify --bs 16
+    cp /tmp/$t.log "$OUT/$t.log"
+    echo "== $v run $i (${SECONDS}s): $(grep -hE '^step of|all kernels|^trace|Error' /tmp/$t.log | tr '\n' ' ')"
+  done; ab_use new jaxspec/pallas/paged_attention.py ;;
 s43-attn-ab)  # issue #14: the tree's attention kernel against .before/s43/paged_attention.py (carried: the kernel
   # before session 43's long walks, 8 warps at head_dim 256 and 512 and 1 stage at 512 in every call; session 43's
   # call 5 ran it with 4 warps and 2 stages in every call, the tree now takes them in long walks only, `walk_knobs`),

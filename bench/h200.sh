@@ -97,6 +97,8 @@
 # session 39 (issue #14): the GPU lane's test_paged + test_rounds (greedy, paged) with session 38's change, inline;
 # s39-rows (the split attention storing and merging only the real query rows' partials, against the tree before),
 # s39-attn (E4B's attention shapes in chains: the real-rows partials and other kernel knobs in one process).
+# session 44 (issue #14): s44-one, s44-verify16 (the bs-16 verify traced against .before/<dir> kernel files), then
+# next: s44-apart (JAXSPEC_STEP_KEYS_APART's GPU tests and A/B), goal-rows on an H200.
 # Session 37 removed six switches that measured slower (JAXSPEC_ATTN_MERGED, JAXSPEC_ATTN_PREFETCH, JAXSPEC_GEMV,
 # JAXSPEC_SPLIT_PRODUCTS, JAXSPEC_LAYER_PRODUCTS, JAXSPEC_PIN_OUTPUT) with their code and diagnoses: the recipes above
 # that use them need commit a536233's tree.
@@ -897,14 +899,37 @@ s44-one)  # issue #14, session 44's first call: the GPU lane of session 43's lon
          bash bench/h200.sh s43-attn-ab ;;
   esac
   echo "== $g, end (${SECONDS}s)"; (cd "$R" && tar czf all.tgz a b && rm -rf a b); OUT=$R ;;
+s44-apart)  # issue #14: JAXSPEC_STEP_KEYS_APART (session 44, off until timed here): the in-kernel q/k/v step's walk
+  # scores the step's own keys apart from each block's K and adds their values after the walk, so K goes from its
+  # loads to the product untouched (the swap into every block made the bs-16 verify's non-shared global layers 226 us
+  # a call against 99 for the KV-shared ones, whose kernel is the same walk without it; session 44's call 3). First
+  # the GPU tests (Triton, fp32, -n 8), then E4B's steps traced (4K), one process a run, each of APART_STEPS (default
+  # "verify-1 verify-16 decode-1") with the switch in APART_SEQ's order (default "1 0 1 0") while APART_BUDGET s allow
+  need_xdist
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --tb=short \
+    -rfE -n ${WORKERS:-8} tests/test_kernels.py -k "qkv or long_walk or walk_knobs" \
+    tests/test_rounds.py::test_step_keys_apart_engine_equals_transformers_greedy \
+    tests/test_rounds.py::test_verify_steps_norm_and_rotate_in_the_attention_kernel > "$OUT/tests-apart.txt" 2>&1
+  tail -2 "$OUT/tests-apart.txt"; i=0
+  for step in ${APART_STEPS:-verify-1 verify-16 decode-1}; do
+    for v in ${APART_SEQ:-1 0 1 0}; do i=$((i + 1))
+      [ $SECONDS -lt ${APART_BUDGET:-480} ] || { echo "== time: stopped before $step run $i"; break 2; }
+      t=$step-apart$v-run$i; traced_step $t "JAXSPEC_STEP_KEYS_APART=$v" ${STEP_TIMEOUT:-130} ${step%-*} --bs ${step#*-} \
+        $([[ $step == decode* ]] && echo --cache paged)
+      echo "== $step apart=$v run $i (${SECONDS}s): $(grep -hE '^step of|all kernels|Error' /tmp/$t.log | tr '\n' ' ')"
+    done
+  done ;;
 s44-verify16)  # issue #14: E4B's bs-16 verify (4K, 4 positions) traced, the tree's attention kernel against
   # .before/s43/paged_attention.py (carried; before the long walks), one process a run in S44_SEQ's order (default
-  # "new old new old") while S44_BUDGET s allow: session 44's call 1 timed it level (8.031 against 7.910 / 7.981 ms)
-  # where the kernel alone at its shape ran 32-39% faster
+  # "new old new old"; any other token names a directory .before/<token> holding the kernel file, carried) while
+  # S44_BUDGET s allow: session 44's call 1 timed it level (8.031 against 7.910 / 7.981 ms) where the kernel alone
+  # at its shape ran 32-39% faster
   ab_save jaxspec/pallas/paged_attention.py; i=0
   for v in ${S44_SEQ:-new old new old}; do i=$((i + 1))
     [ $SECONDS -lt ${S44_BUDGET:-420} ] || { echo "== time: stopped before run $i"; break; }
-    AB_OLD=.before/s43 ab_use $v jaxspec/pallas/paged_attention.py
+    case $v in new) ab_use new jaxspec/pallas/paged_attention.py ;;
+               old) AB_OLD=.before/s43 ab_use old jaxspec/pallas/paged_attention.py ;;
+               *) AB_OLD=.before/$v ab_use old jaxspec/pallas/paged_attention.py ;; esac
     t=verify16-$v-run$i; traced_step $t "" ${VERIFY_TIMEOUT:-150} verify --bs 16
     cp /tmp/$t.log "$OUT/$t.log"
     echo "== $v run $i (${SECONDS}s): $(grep -hE '^step of|all kernels|^trace|Error' /tmp/$t.log | tr '\n' ' ')"

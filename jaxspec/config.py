@@ -37,7 +37,7 @@ def compile_threads_env() -> int | None:
 SWITCHES = ("JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE", "JAXSPEC_UNROLL_ROUNDS", "JAXSPEC_ATTN_GATHER_Q",
             "JAXSPEC_FUSE_QKV", "JAXSPEC_FUSED_NORMS", "JAXSPEC_JOINT_QK_NORM", "JAXSPEC_QKV_KERNEL",
             "JAXSPEC_STAGE_INPUTS", "JAXSPEC_PINNED_INPUTS", "JAXSPEC_SHARED_Q_IN_ATTENTION",
-            "JAXSPEC_QKV_IN_ATTENTION", "JAXSPEC_VERIFY_IN_ATTENTION")
+            "JAXSPEC_QKV_IN_ATTENTION", "JAXSPEC_VERIFY_IN_ATTENTION", "JAXSPEC_STEP_KEYS_APART")
 # switches whose code was removed (measured slower on the GPU; BENCHMARKS.md session 37), and the layer products
 # kernel's site list beside them: read no more, a set one is named in a note on stderr (`launch.check_engine_args`)
 RETIRED_SWITCHES = ("JAXSPEC_ATTN_MERGED", "JAXSPEC_ATTN_PREFETCH", "JAXSPEC_GEMV", "JAXSPEC_SPLIT_PRODUCTS",

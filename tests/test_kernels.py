@@ -215,12 +215,12 @@ def test_walk_knobs_leave_the_bs1_steps_as_tuned():
 
     cfg = PRESETS["E4B"]
 
-    def knobs(bs: int, tq: int, group: int, layer_type: str, keep: int):
+    def knobs(bs: int, tq: int, group: int, layer_type: str, keep: int, new_kv: bool = False):
         d = cfg.type_head_dim(layer_type)
         width = round_width(4096 if layer_type == FULL else keep + tq)
         block_q, rows = query_rows(tq, group, d)
         splits = default_splits(bs, cfg.type_kv_heads(layer_type), rows // block_q, width, default_block_k(d))
-        return walk_knobs(d, width, splits)
+        return walk_knobs(d, width, splits, new_kv)
 
     target_g, drafter_g = cfg.num_heads // cfg.num_kv_heads, 4 // cfg.num_kv_heads
     for layer_type, short in ((SLIDING, (8, 2)), (FULL, (8, 1))):
@@ -228,15 +228,19 @@ def test_walk_knobs_leave_the_bs1_steps_as_tuned():
             assert knobs(1, tq, target_g, layer_type, cfg.sliding_window - 1) == short
         assert knobs(1, 1, drafter_g, layer_type, cfg.sliding_window + 1) == short  # the bs-1 propose
         assert knobs(64, 1, drafter_g, layer_type, cfg.sliding_window + 1) == (4, 2)  # the bs-64 propose
-    assert knobs(16, 4, target_g, FULL, 0) == (4, 2)
+    assert knobs(16, 4, target_g, FULL, 0) == (4, 2)  # the KV-shared global layers'
+    # the non-shared ones' in-kernel q/k/v step walks long with 8 warps; at bs 1 it keeps the tuned form
+    assert knobs(16, 4, target_g, FULL, 0, new_kv=True) == (8, 2)
+    for layer_type, short in ((SLIDING, (8, 2)), (FULL, (8, 1))):
+        assert knobs(1, 4, target_g, layer_type, cfg.sliding_window - 1, new_kv=True) == short
 
 
-@pytest.mark.parametrize("i", [3, 6], ids=["g2-d512-s2-no-vnorm", "g2-tq4-d256-swa-bf16"])
-def test_qkv_in_the_attention_kernel_long_walk_matches_reference(i, monkeypatch):
-    """The in-kernel q/k/v step (`paged_attention_qkv`, a verify's four positions among its cases) in `walk_knobs`'
-    long-walk form, forced by its thresholds (these short tables never reach 256 keys a piece) at the head dims where
-    the form differs (<= 128 it is the tuned one): test_qkv_in_the_attention_kernel_matches_reference's checks. On a
-    GPU this is the bs-16 verify's global layers' kernel (4 warps, 2 stages); the interpreter ignores the knobs."""
+def test_qkv_in_the_attention_kernel_long_walk_matches_reference(monkeypatch):
+    """The in-kernel q/k/v step (`paged_attention_qkv`) in `walk_knobs`' long-walk form, forced by its thresholds
+    (these short tables never reach 256 keys a piece), at head_dim 512, where it differs from the tuned form (8
+    warps, 2 stages against 1; at 256 and below they are the same): test_qkv_in_the_attention_kernel_matches_reference's
+    checks. On a GPU this is the bs-16 verify's non-shared global layers' kernel; the interpreter ignores the knobs."""
+    i = 3  # g2-d512-s2-no-vnorm
     import jaxspec.pallas.paged_attention as pa
 
     monkeypatch.setattr(pa, "LONG_WALK_PIECES", 64)
@@ -245,10 +249,10 @@ def test_qkv_in_the_attention_kernel_long_walk_matches_reference(i, monkeypatch)
     monkeypatch.setattr(pa, "walk_knobs", lambda *a, real=pa.walk_knobs: asked.append(real(*a)) or asked[-1])
     paged_attention_qkv.clear_cache()  # jitted: a trace of these shapes in the tuned form would be reused
     try:
-        test_qkv_in_the_attention_kernel_matches_reference(*QKV_CASES[i])
+        test_qkv_in_the_attention_kernel_matches_reference(*QKV_CASES[i], keys_apart=False)
     finally:
         paged_attention_qkv.clear_cache()
-    assert set(asked) == {(4, 2)} and ATTENTION_CASES[QKV_CASES[i][0]][2] >= 256, (asked, QKV_CASES[i])
+    assert set(asked) == {(8, 2)} and ATTENTION_CASES[QKV_CASES[i][0]][2] == 512, (asked, QKV_CASES[i])
 
 
 def shared_q_case(case: int, seed: int = 3):
@@ -295,13 +299,15 @@ QKV_CASES = [  # case of ATTENTION_CASES, dtype, has_v, v_norm
 @pytest.mark.parametrize("case, dtype, has_v, v_norm", QKV_CASES,
                          ids=["g1-d16-s1", "g4-d16-swa-s2-bf16", "g4-d16-swa-s2-k-eq-v", "g2-d512-s2-no-vnorm",
                               "g2-tq4-d16-swa-s3", "g8-tq4-d16-2blocks-k-eq-v", "g2-tq4-d256-swa-bf16"])
-def test_qkv_in_the_attention_kernel_matches_reference(case, dtype, has_v, v_norm):
+@pytest.mark.parametrize("keys_apart", [False, True], ids=["swapped", "apart"])
+def test_qkv_in_the_attention_kernel_matches_reference(case, dtype, has_v, v_norm, keys_apart):
     """A non-shared layer's step in one attention kernel (`paged_attention_qkv`: q, k, v normed, q and k rotated,
     K and V written at the write slots and attended; one position a row, or a verify's four, each query seeing the
     step's earlier keys) against `qkv_cache_ref` then the reference attention, on a layer stack whose other layer and
     unread slots are NaN and whose write slots hold NaN before the step (the key walk must take the step's own K and
     V, not the pool's). The stacks come back with the reference's K and V at the write slots and every other entry as
-    it was; the padding row writes nothing."""
+    it was; the padding row writes nothing. keys_apart: the walk scores the step's keys apart from the blocks' K
+    and adds their values after it (`paged_attention_qkv`'s keys_apart) instead of swapping them into each block."""
     g, tq, d, _, window, cached, tuning = ATTENTION_CASES[case]
     rng = np.random.default_rng(5)
     batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
@@ -323,7 +329,7 @@ def test_qkv_in_the_attention_kernel_matches_reference(case, dtype, has_v, v_nor
     got, k_got, v_got = paged_attention_qkv(
         heads, k_bad, v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, slots, norms, norms, cos, sin,
         num_heads=NH, layer=1, scale=0.3, q_norm_index=(0, 1), k_norm_index=(1, 2), has_v=has_v, v_norm=v_norm,
-        eps=1e-6, num_splits=tuning.get("num_splits"))
+        eps=1e-6, num_splits=tuning.get("num_splits"), keys_apart=keys_apart)
     clean = (jnp.stack([x.k, x.k]), jnp.stack([x.v, x.v]))
     q, k_want, v_want = qkv_cache_ref(heads.reshape(B, tq, -1), Vec(norms, (0, 1)), Vec(norms, (1, 2)), cos, sin,
                                       *clean, 1, slots, num_heads=NH, has_v=has_v, v_norm=v_norm, eps=1e-6)

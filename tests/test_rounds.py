@@ -409,6 +409,36 @@ def test_verify_steps_norm_and_rotate_in_the_attention_kernel(oracle, monkeypatc
     assert verify == ({(True, True), (True, False), (False, False)} if switch is None else {(False, False)}), verify
 
 
+def test_step_keys_apart_engine_equals_transformers_greedy(oracle, monkeypatch):
+    """JAXSPEC_STEP_KEYS_APART=1 (off by default until the GPU has timed it): the in-kernel q/k/v step's walk scores
+    the step's own keys apart from each block's K and adds their values after the walk (`paged_attention_qkv`'s
+    keys_apart). The engine (kernels interpreted, k 3, R 2 with overlap: the prefill chunks and the verify steps take
+    the in-kernel step) still gives transformers' greedy continuations, and every in-kernel step walked that way."""
+    import jaxspec.pallas.paged_attention as pa
+
+    for name in ("JAXSPEC_VERIFY_IN_ATTENTION", "JAXSPEC_QKV_IN_ATTENTION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JAXSPEC_STEP_KEYS_APART", "1")
+    seen = []  # (queries a row, keys apart) of each in-kernel q/k/v step
+    real = pa.paged_attention_rows
+    pa.paged_attention.clear_cache()
+    pa.paged_attention_qkv.clear_cache()
+
+    def spy(*a, **kw):
+        if kw.get("new_kv") is not None:
+            rows, _, group = kw["gather_q"]
+            seen.append((rows // group, kw["new_kv"][5]))
+        return real(*a, **{**kw, "block_k": 16})  # both pieces of a row hold keys at these short contexts
+
+    monkeypatch.setattr(pa, "paged_attention_rows", spy)
+    try:
+        got, want = kernels_greedy(oracle)
+    finally:
+        pa.paged_attention_qkv.clear_cache()
+    assert got == want
+    assert set(seen) == {(8, True), (4, True)}, set(seen)  # the 8-token prefill chunks and the verify steps
+
+
 def test_staged_inputs_engine_equals_transformers_greedy_and_unstaged_sampling(oracle, monkeypatch):
     """JAXSPEC_STAGE_INPUTS (on by default since session 28; 0 turns it off): the prefill and decode programs read
     their per-call inputs (the prefill batch, slots, page tables) from one copy made at the program's start

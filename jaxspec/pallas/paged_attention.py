@@ -91,7 +91,7 @@ def _new_kv_operands(heads_ref, kn_ref, b, h, t: int, new_kv: tuple):
     """The loads of `_new_kv` for kv head h of row b's query t: ((its raw K, K's rotate-half partner, the k-norm
     weight and its partner), the raw V: the K projection again where the layer has none), from the q/k/v product's
     heads [B, Tq (NH + KVH (+ KVH)), D] (`_attention_kernel`'s new_kv)."""
-    num_heads, has_v, _, kn_index, per_query = new_kv
+    num_heads, has_v, _, kn_index, per_query = new_kv[:5]
     D = heads_ref.shape[-1]
     kv_heads = (per_query - num_heads) // (2 if has_v else 1)
     perm = _swap_perm(D)
@@ -149,12 +149,15 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     With gather_q and rope_eps, q_ref holds the raw projections in q's own layout and no q_swap follows it: qn_ref
     (the q-norm stack, read at rope_index), cos_ref and sin_ref ([B, Tq, D]: each query's) do
     (`_gathered_rope_operands`).
-    With new_kv = (NH, has_v, v_norm, k_norm_index, heads a query) (gather_q, rope_eps): q_ref is a non-shared
+    With new_kv = (NH, has_v, v_norm, k_norm_index, heads a query, keys_apart) (gather_q, rope_eps): q_ref is a non-shared
     layer's whole q/k/v product as heads [B, Tq (NH + KVH (+ KVH)), D]; kn_ref (the k-norm stack) and slot_ref
     (int32[B, Tq], each query's write slot; 0: padding) follow sin_ref, and the K / V stacks' aliased outputs k_out,
     v_out follow the others. Each program norms and rotates its kv head's new K of each query (and norms V) as
     `qkv_cache` does (`_new_kv`); the key walk takes them in place of what the pool holds at their write slots, and
-    program (b, h, 0, 0) stores them there.
+    program (b, h, 0, 0) stores them there. With keys_apart the walk leaves each block's K as loaded (no select
+    between the loads and the product, so K need not pass through registers): the scores at the write slots' entries
+    are replaced by the queries' scores of the step's keys (computed once), V there is masked to 0 with the keys no
+    query sees, and each step key's value is added after the walk with the weight the online softmax gave it.
     (Two other forms were measured on the H200 and removed in session 37, commit a536233 has them: the splits merged
     in this kernel by the last program of a query block to finish, after an atomic count, E4B's verify step 15%
     slower, session 15; the key walk software-pipelined by hand, no walk faster and long ones up to 19% slower,
@@ -264,7 +267,40 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    acc, m, l = lax.fori_loop(0, num_blocks, body, init)
+    if new and new_kv[5]:  # keys apart: each block's K straight to the product, V as every walk masks it
+        scores = [jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * scale
+                  for k_new, _, _ in new]  # [block_q] each: the queries' scores of the step's keys
+
+        def apart(j, carry):
+            acc, m_prev, l_prev, *weights = carry
+            block = keys(j)
+            _, valid, key_live = block
+            slots = slots_of(block)
+            k, v = rows_of(slots)
+            hits = [(slots == slot) & (slot != 0) for _, _, slot in new]  # [block_k] each
+            fresh = functools.reduce(jnp.logical_or, hits)
+            v = jnp.where((key_live & ~fresh)[:, None], v, jnp.zeros((), v.dtype))
+            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                                preferred_element_type=jnp.float32) * scale
+            for hit, score in zip(hits, scores):  # the pool's entry there is stale (or unwritten): the step's score
+                s = jnp.where(hit[None, :], score[:, None], s)
+            s = jnp.where(valid, s, -jnp.inf)
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+            correction = jnp.exp(m_prev - m_safe)
+            p = jnp.where(valid, jnp.exp(s - m_safe[:, None]), 0.0)
+            l_next = correction * l_prev + jnp.sum(p, axis=1)
+            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                                 preferred_element_type=jnp.float32)  # the step's keys' columns hold V = 0
+            weights = [correction * w + jnp.sum(jnp.where(hit[None, :], p, 0.0), axis=1)
+                       for hit, w in zip(hits, weights)]
+            return (correction[:, None] * acc + pv, m_next, l_next, *weights)
+
+        acc, m, l, *weights = lax.fori_loop(0, num_blocks, apart, (*init, *[init[2]] * len(new)))
+        for (_, v_new, _), w in zip(new, weights):  # each step key's value, weighted as the walk weighed it
+            acc = acc + w[:, None] * v_new.astype(jnp.float32)[None, :]
+    else:
+        acc, m, l = lax.fori_loop(0, num_blocks, body, init)
     if not ml_refs:
         out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
         if gather_q is None:
@@ -396,7 +432,7 @@ def default_block_k(head_dim: int) -> int:
 LONG_WALK_PIECES, LONG_WALK_KEYS = 8, 256
 
 
-def walk_knobs(head_dim: int, width: int, num_splits: int) -> tuple[int, int]:
+def walk_knobs(head_dim: int, width: int, num_splits: int, new_kv: bool = False) -> tuple[int, int]:
     """(num_warps, num_stages) of the attention kernel by default. A call of many rows cuts each row into few pieces
     (`default_splits`: the drafter's bs-64 propose 2, the target's bs-16 verify over 4K keys 8), so each program
     walks long: where a row has at most LONG_WALK_PIECES pieces and a piece may hold LONG_WALK_KEYS keys or more
@@ -406,9 +442,13 @@ def walk_knobs(head_dim: int, width: int, num_splits: int) -> tuple[int, int]:
     global layer's 4K keys at bs 64 968 -> 588 us, at bs 16 293 -> 201 (1 query) and 310 -> 190 (4); a sliding
     layer's 512 at bs 64 185 -> 133; the drafter's bs-64 propose 3 264 -> 2 413 us. Neither knob changes which keys
     a block holds: in bf16 the output was the same bit for bit in every shape timed; in fp32 at head_dim 512 it
-    differs by an ulp at most (the warps' share of each product moves; the GPU lane, session 44)."""
+    differs by an ulp at most (the warps' share of each product moves; the GPU lane, session 44).
+    new_kv (`paged_attention_qkv`'s in-kernel q/k/v step, whose walk swaps the step's own keys into each K / V block)
+    walks long with 8 warps: the bs-16 verify's non-shared global layers took 249 us a call tuned (8 warps, 1 stage),
+    308 with 4 warps and 2 stages, 226 with 8 and 2; the step's kernels 7 420 / 7 662 / 7 329 us (the H100, two
+    traced runs each side by side, session 44)."""
     if num_splits <= LONG_WALK_PIECES and width >= LONG_WALK_KEYS * num_splits:
-        return 4, 2
+        return (8 if new_kv else 4), 2
     return (4 if head_dim <= 128 else 8), (1 if head_dim >= 512 else 2)
 
 
@@ -500,11 +540,11 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "layer", "scale", "q_norm_index", "k_norm_index",
-                                             "has_v", "v_norm", "eps", "interpret", "num_splits"))
+                                             "has_v", "v_norm", "eps", "interpret", "num_splits", "keys_apart"))
 def paged_attention_qkv(heads, k_stack, v_stack, kv_indices, kv_start, q_lo, q_hi, slots, q_norm, k_norm, cos, sin,
                         *, num_heads: int, layer: int, scale: float, q_norm_index: tuple, k_norm_index: tuple,
                         has_v: bool, v_norm: bool, eps: float, interpret: bool | None = None,
-                        num_splits: int | None = None):
+                        num_splits: int | None = None, keys_apart: bool = False):
     """A non-shared layer's step from its q/k/v product to its attention in one kernel (with the split merge after
     it): what `qkv_cache.qkv_cache` (q, k, v normed, q and k rotated, K and V written at `slots`) then
     `paged_attention` (gather_q) compute, `qkv_cache`'s launch (or XLA's norm and RoPE fusions and K/V scatters)
@@ -526,7 +566,7 @@ def paged_attention_qkv(heads, k_stack, v_stack, kv_indices, kv_start, q_lo, q_h
         heads.reshape(B, T * per_query, D), k_stack, v_stack, kv_indices, kv_start, row_lo, row_hi, span,
         scale=scale, layer=layer, block_q=block_q, num_splits=num_splits, interpret=interpret,
         gather_q=(T * G, num_heads, G), real_rows=T * G, rope=rope,
-        new_kv=(k_norm, k_norm_index, slots.reshape(B, T), has_v, v_norm))
+        new_kv=(k_norm, k_norm_index, slots.reshape(B, T), has_v, v_norm, keys_apart))
     return out.reshape(B, T, num_heads, D), k_stack, v_stack
 
 
@@ -589,7 +629,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     if num_splits is None:
         num_splits = 2 if interpret else default_splits(B, KVH, row_blocks, width, block_k)
     num_splits = _next_pow2(num_splits)  # the merge kernel holds the splits in one power-of-two block
-    warps, stages = walk_knobs(D, width, num_splits)
+    warps, stages = walk_knobs(D, width, num_splits, new_kv is not None)
     num_warps = warps if num_warps is None else num_warps
     num_stages = stages if num_stages is None else num_stages
 
@@ -605,7 +645,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
                                real_rows=real_rows, granule=None if granule == block_k else granule,
                                rope_index=tuple(rope[2]) if rope is not None and gather_q is not None else None,
                                new_kv=None if new_kv is None else (gather_q[1], new_kv[3], new_kv[4],
-                                                                   tuple(new_kv[1]), heads_a_query))
+                                                                   tuple(new_kv[1]), heads_a_query, new_kv[5]))
 
     def whole(shape):  # read by slot or row index inside the kernel
         return pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))

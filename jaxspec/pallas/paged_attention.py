@@ -238,11 +238,17 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
             return k_ref[slots, h, :], v_ref[slots, h, :]  # [block_k, D] each
         return k_ref[layer, slots, h, :], v_ref[layer, slots, h, :]
 
-    def attend(block, k, v, acc, m_prev, l_prev):
+    def attend(block, k, v, acc, m_prev, l_prev, apart=()):
+        """One block of the online softmax: (acc, m, l) and, for `apart`, (correction, p). apart: (hit [block_k],
+        score [block_q]) of each step key kept apart from the block's K and V (keys_apart): its entries' scores
+        replaced by its own, V there 0."""
         _, valid, key_live = block
-        v = jnp.where(key_live[:, None], v, jnp.zeros((), v.dtype))  # 0 * NaN would leak through P.V
+        live = functools.reduce(lambda a, hit_score: a & ~hit_score[0], apart, key_live)
+        v = jnp.where(live[:, None], v, jnp.zeros((), v.dtype))  # 0 * NaN would leak through P.V
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                             preferred_element_type=jnp.float32) * scale
+        for hit, score in apart:  # the pool's entry there is stale (or unwritten): the step key's score
+            s = jnp.where(hit[None, :], score[:, None], s)
         s = jnp.where(valid, s, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
@@ -251,7 +257,7 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
         l_next = correction * l_prev + jnp.sum(p, axis=1)
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
-        return correction[:, None] * acc + pv, m_next, l_next
+        return (correction[:, None] * acc + pv, m_next, l_next), (correction, p)
 
     def body(j, carry):
         block = keys(j)
@@ -260,7 +266,7 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
         for k_new, v_new, slot in new:  # the step's own keys: computed here, not yet in the pool
             hit = ((slots == slot) & (slot != 0))[:, None]
             k, v = jnp.where(hit, k_new[None, :], k), jnp.where(hit, v_new[None, :], v)
-        return attend(block, k, v, *carry)
+        return attend(block, k, v, *carry)[0]
 
     init = (
         jnp.zeros((block_q, head_dim), jnp.float32),
@@ -272,29 +278,13 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
                   for k_new, _, _ in new]  # [block_q] each: the queries' scores of the step's keys
 
         def apart(j, carry):
-            acc, m_prev, l_prev, *weights = carry
             block = keys(j)
-            _, valid, key_live = block
             slots = slots_of(block)
-            k, v = rows_of(slots)
             hits = [(slots == slot) & (slot != 0) for _, _, slot in new]  # [block_k] each
-            fresh = functools.reduce(jnp.logical_or, hits)
-            v = jnp.where((key_live & ~fresh)[:, None], v, jnp.zeros((), v.dtype))
-            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                                preferred_element_type=jnp.float32) * scale
-            for hit, score in zip(hits, scores):  # the pool's entry there is stale (or unwritten): the step's score
-                s = jnp.where(hit[None, :], score[:, None], s)
-            s = jnp.where(valid, s, -jnp.inf)
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-            correction = jnp.exp(m_prev - m_safe)
-            p = jnp.where(valid, jnp.exp(s - m_safe[:, None]), 0.0)
-            l_next = correction * l_prev + jnp.sum(p, axis=1)
-            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
-                                 preferred_element_type=jnp.float32)  # the step's keys' columns hold V = 0
+            walked, (correction, p) = attend(block, *rows_of(slots), *carry[:3], apart=tuple(zip(hits, scores)))
             weights = [correction * w + jnp.sum(jnp.where(hit[None, :], p, 0.0), axis=1)
-                       for hit, w in zip(hits, weights)]
-            return (correction[:, None] * acc + pv, m_next, l_next, *weights)
+                       for hit, w in zip(hits, carry[3:])]  # each step key's share, corrected as acc is
+            return (*walked, *weights)
 
         acc, m, l, *weights = lax.fori_loop(0, num_blocks, apart, (*init, *[init[2]] * len(new)))
         for (_, v_new, _), w in zip(new, weights):  # each step key's value, weighted as the walk weighed it

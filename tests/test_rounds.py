@@ -375,22 +375,27 @@ def test_one_position_steps_norm_and_rotate_in_the_attention_kernel(oracle, monk
     assert rows == launched, rows  # bucket 4 x 1 position; never an 8-position chunk
 
 
-@pytest.mark.parametrize("switch", [None, "0"], ids=["default", "off"])
-def test_verify_steps_norm_and_rotate_in_the_attention_kernel(oracle, monkeypatch, switch):
+@pytest.mark.parametrize("switches", [{}, {"JAXSPEC_VERIFY_IN_ATTENTION": "0"}, {"JAXSPEC_STEP_KEYS_APART": "1"}],
+                         ids=["default", "off", "keys-apart"])
+def test_verify_steps_norm_and_rotate_in_the_attention_kernel(oracle, monkeypatch, switches):
     """JAXSPEC_VERIFY_IN_ATTENTION (on by default since session 42): in a verify step's k + 1 positions too, a
     non-shared layer's q/k/v norms, RoPE and K/V write run inside its attention kernel (`paged_attention_qkv`: each
     program computes the step's four keys of its kv head and takes them wherever the walk meets their slots) and a
     KV-shared layer's q norm and RoPE inside its own (RoPE tables per query row); 0: XLA's norm and rotation
-    fusions and two scatters a layer. Either way the engine (kernels interpreted, k 3, R 2 with overlap: the K/V a
-    verify writes are read by the drafter, the KV-shared layers and the later rounds) gives transformers' greedy
-    continuations, and the 4-position attention calls took the raw projections (and the K/V heads) as the switch
-    says."""
+    fusions and two scatters a layer. JAXSPEC_STEP_KEYS_APART=1 (off by default): the in-kernel step's walk scores
+    the step's own keys apart from each block's K and adds their values after the walk (`keys_apart`). Each way
+    the engine (kernels interpreted, k 3, R 2 with overlap: the K/V a verify writes are read by the drafter, the
+    KV-shared layers and the later rounds) gives transformers' greedy continuations, and the 4-position attention
+    calls took the raw projections (and the K/V heads) as the switches say, every in-kernel step (the 8-token
+    prefill chunks' and the verify steps') walking apart or not as asked."""
     import jaxspec.pallas.paged_attention as pa
 
-    monkeypatch.delenv("JAXSPEC_VERIFY_IN_ATTENTION", raising=False)
-    if switch is not None:
-        monkeypatch.setenv("JAXSPEC_VERIFY_IN_ATTENTION", switch)
+    for name in ("JAXSPEC_VERIFY_IN_ATTENTION", "JAXSPEC_QKV_IN_ATTENTION", "JAXSPEC_STEP_KEYS_APART"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in switches.items():
+        monkeypatch.setenv(name, value)
     seen = []  # (queries a row, q normed and rotated in the kernel, K/V computed and written in it) of each call
+    apart = set()  # (queries a row, keys apart) of each in-kernel q/k/v step
     real = pa.paged_attention_rows
     pa.paged_attention.clear_cache()  # jitted: earlier traces of these shapes would hide the inner calls
     pa.paged_attention_qkv.clear_cache()
@@ -399,44 +404,23 @@ def test_verify_steps_norm_and_rotate_in_the_attention_kernel(oracle, monkeypatc
         if kw.get("gather_q") is not None:
             rows, _, group = kw["gather_q"]
             seen.append((rows // group, kw.get("rope") is not None, kw.get("new_kv") is not None))
-        return real(*a, **{**kw, "block_k": 16})  # both pieces of a row hold keys at these short contexts
-
-    monkeypatch.setattr(pa, "paged_attention_rows", spy)
-    got, want = kernels_greedy(oracle)
-    assert got == want
-    verify = {(rope, new) for queries, rope, new in seen if queries == 4}
-    # the oracle's sliding layers (head_dim 16: halves of 8, `qkv_cache.supported` refuses) keep XLA's q/k/v step
-    assert verify == ({(True, True), (True, False), (False, False)} if switch is None else {(False, False)}), verify
-
-
-def test_step_keys_apart_engine_equals_transformers_greedy(oracle, monkeypatch):
-    """JAXSPEC_STEP_KEYS_APART=1 (off by default until the GPU has timed it): the in-kernel q/k/v step's walk scores
-    the step's own keys apart from each block's K and adds their values after the walk (`paged_attention_qkv`'s
-    keys_apart). The engine (kernels interpreted, k 3, R 2 with overlap: the prefill chunks and the verify steps take
-    the in-kernel step) still gives transformers' greedy continuations, and every in-kernel step walked that way."""
-    import jaxspec.pallas.paged_attention as pa
-
-    for name in ("JAXSPEC_VERIFY_IN_ATTENTION", "JAXSPEC_QKV_IN_ATTENTION"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("JAXSPEC_STEP_KEYS_APART", "1")
-    seen = []  # (queries a row, keys apart) of each in-kernel q/k/v step
-    real = pa.paged_attention_rows
-    pa.paged_attention.clear_cache()
-    pa.paged_attention_qkv.clear_cache()
-
-    def spy(*a, **kw):
-        if kw.get("new_kv") is not None:
-            rows, _, group = kw["gather_q"]
-            seen.append((rows // group, kw["new_kv"][5]))
+            if kw.get("new_kv") is not None:
+                apart.add((rows // group, kw["new_kv"][5]))
         return real(*a, **{**kw, "block_k": 16})  # both pieces of a row hold keys at these short contexts
 
     monkeypatch.setattr(pa, "paged_attention_rows", spy)
     try:
         got, want = kernels_greedy(oracle)
     finally:
-        pa.paged_attention_qkv.clear_cache()
+        pa.paged_attention_qkv.clear_cache()  # keep no keys-apart trace for later tests
     assert got == want
-    assert set(seen) == {(8, True), (4, True)}, set(seen)  # the 8-token prefill chunks and the verify steps
+    verify = {(rope, new) for queries, rope, new in seen if queries == 4}
+    # the oracle's sliding layers (head_dim 16: halves of 8, `qkv_cache.supported` refuses) keep XLA's q/k/v step
+    in_kernel = "JAXSPEC_VERIFY_IN_ATTENTION" not in switches
+    assert verify == ({(True, True), (True, False), (False, False)} if in_kernel else {(False, False)}), verify
+    keys_apart = "JAXSPEC_STEP_KEYS_APART" in switches
+    # the switch takes every multi-position step: the 8-token prefill chunks' in-kernel steps go with the verify's
+    assert apart == ({(8, keys_apart), (4, keys_apart)} if in_kernel else set()), apart
 
 
 def test_staged_inputs_engine_equals_transformers_greedy_and_unstaged_sampling(oracle, monkeypatch):

@@ -215,12 +215,12 @@ def test_walk_knobs_leave_the_bs1_steps_as_tuned():
 
     cfg = PRESETS["E4B"]
 
-    def knobs(bs: int, tq: int, group: int, layer_type: str, keep: int, new_kv: bool = False):
+    def knobs(bs: int, tq: int, group: int, layer_type: str, keep: int, new_kv: bool = False, itemsize: int = 2):
         d = cfg.type_head_dim(layer_type)
         width = round_width(4096 if layer_type == FULL else keep + tq)
         block_q, rows = query_rows(tq, group, d)
         splits = default_splits(bs, cfg.type_kv_heads(layer_type), rows // block_q, width, default_block_k(d))
-        return walk_knobs(d, width, splits, new_kv)
+        return walk_knobs(d, width, splits, new_kv, itemsize)
 
     target_g, drafter_g = cfg.num_heads // cfg.num_kv_heads, 4 // cfg.num_kv_heads
     for layer_type, short in ((SLIDING, (8, 2)), (FULL, (8, 1))):
@@ -231,14 +231,19 @@ def test_walk_knobs_leave_the_bs1_steps_as_tuned():
     assert knobs(16, 4, target_g, FULL, 0) == (4, 2)  # the KV-shared global layers'
     # the non-shared ones' in-kernel q/k/v step walks long with 8 warps; at bs 1 it keeps the tuned form
     assert knobs(16, 4, target_g, FULL, 0, new_kv=True) == (8, 2)
+    # in fp32 (--dtype fp32) two stages of its K / V blocks overflow shared memory at head_dim 512: one stage
+    assert knobs(16, 4, target_g, FULL, 0, new_kv=True, itemsize=4) == (8, 1)
+    assert knobs(16, 4, target_g, FULL, 0, itemsize=4) == (4, 2)  # the KV-shared layers' walk fits (GPU lane)
     for layer_type, short in ((SLIDING, (8, 2)), (FULL, (8, 1))):
         assert knobs(1, 4, target_g, layer_type, cfg.sliding_window - 1, new_kv=True) == short
 
 
-def test_qkv_in_the_attention_kernel_long_walk_matches_reference(monkeypatch):
+@pytest.mark.parametrize("dtype, form", [(jnp.bfloat16, (8, 2)), (jnp.float32, (8, 1))], ids=["bf16", "fp32"])
+def test_qkv_in_the_attention_kernel_long_walk_matches_reference(monkeypatch, dtype, form):
     """The in-kernel q/k/v step (`paged_attention_qkv`) in `walk_knobs`' long-walk form, forced by its thresholds
-    (these short tables never reach 256 keys a piece), at head_dim 512, where it differs from the tuned form (8
-    warps, 2 stages against 1; at 256 and below they are the same): test_qkv_in_the_attention_kernel_matches_reference's
+    (these short tables never reach 256 keys a piece), at head_dim 512: in bf16 it differs from the tuned form (8
+    warps, 2 stages against 1; at 256 and below they are the same), in fp32 it keeps 1 stage (2 asked 295 040 bytes
+    of shared memory on the H100, session 45's GPU lane): test_qkv_in_the_attention_kernel_matches_reference's
     checks. On a GPU this is the bs-16 verify's non-shared global layers' kernel; the interpreter ignores the knobs."""
     i = 3  # g2-d512-s2-no-vnorm
     import jaxspec.pallas.paged_attention as pa
@@ -249,10 +254,11 @@ def test_qkv_in_the_attention_kernel_long_walk_matches_reference(monkeypatch):
     monkeypatch.setattr(pa, "walk_knobs", lambda *a, real=pa.walk_knobs: asked.append(real(*a)) or asked[-1])
     paged_attention_qkv.clear_cache()  # jitted: a trace of these shapes in the tuned form would be reused
     try:
-        test_qkv_in_the_attention_kernel_matches_reference(*QKV_CASES[i], keys_apart=False)
+        case, _, has_v, v_norm = QKV_CASES[i]
+        test_qkv_in_the_attention_kernel_matches_reference(case, dtype, has_v, v_norm, keys_apart=False)
     finally:
         paged_attention_qkv.clear_cache()
-    assert set(asked) == {(8, 2)} and ATTENTION_CASES[QKV_CASES[i][0]][2] == 512, (asked, QKV_CASES[i])
+    assert set(asked) == {form} and ATTENTION_CASES[QKV_CASES[i][0]][2] == 512, (asked, QKV_CASES[i])
 
 
 def shared_q_case(case: int, seed: int = 3):

@@ -422,7 +422,7 @@ def default_block_k(head_dim: int) -> int:
 LONG_WALK_PIECES, LONG_WALK_KEYS = 8, 256
 
 
-def walk_knobs(head_dim: int, width: int, num_splits: int, new_kv: bool = False) -> tuple[int, int]:
+def walk_knobs(head_dim: int, width: int, num_splits: int, new_kv: bool = False, itemsize: int = 2) -> tuple[int, int]:
     """(num_warps, num_stages) of the attention kernel by default. A call of many rows cuts each row into few pieces
     (`default_splits`: the drafter's bs-64 propose 2, the target's bs-16 verify over 4K keys 8), so each program
     walks long: where a row has at most LONG_WALK_PIECES pieces and a piece may hold LONG_WALK_KEYS keys or more
@@ -436,9 +436,11 @@ def walk_knobs(head_dim: int, width: int, num_splits: int, new_kv: bool = False)
     new_kv (`paged_attention_qkv`'s in-kernel q/k/v step, whose walk swaps the step's own keys into each K / V block)
     walks long with 8 warps: the bs-16 verify's non-shared global layers took 249 us a call tuned (8 warps, 1 stage),
     308 with 4 warps and 2 stages, 226 with 8 and 2; the step's kernels 7 420 / 7 662 / 7 329 us (the H100, two
-    traced runs each side by side, session 44)."""
+    traced runs each side by side, session 44). Its 2 stages hold two blocks of K / V in shared memory: in fp32
+    (itemsize 4) at head_dim 512 that asked 295 040 bytes of the H100's 232 448 (the GPU lane, session 45), so there
+    it keeps 1 stage (the tuned form, which runs in fp32)."""
     if num_splits <= LONG_WALK_PIECES and width >= LONG_WALK_KEYS * num_splits:
-        return (8 if new_kv else 4), 2
+        return (8, 2 if itemsize * head_dim <= 1024 else 1) if new_kv else (4, 2)
     return (4 if head_dim <= 128 else 8), (1 if head_dim >= 512 else 2)
 
 
@@ -619,7 +621,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
     if num_splits is None:
         num_splits = 2 if interpret else default_splits(B, KVH, row_blocks, width, block_k)
     num_splits = _next_pow2(num_splits)  # the merge kernel holds the splits in one power-of-two block
-    warps, stages = walk_knobs(D, width, num_splits, new_kv is not None)
+    warps, stages = walk_knobs(D, width, num_splits, new_kv is not None, jnp.dtype(k_cache.dtype).itemsize)
     num_warps = warps if num_warps is None else num_warps
     num_stages = stages if num_stages is None else num_stages
 

@@ -98,7 +98,7 @@
 # s39-rows (the split attention storing and merging only the real query rows' partials, against the tree before),
 # s39-attn (E4B's attention shapes in chains: the real-rows partials and other kernel knobs in one process).
 # session 44 (issue #14): s44-one, s44-verify16 (the bs-16 verify traced against .before/<dir> kernel files), then
-# next: s44-apart (JAXSPEC_STEP_KEYS_APART's GPU tests and A/B), goal-rows on an H200.
+# next: APART_STEPS="verify-1 decode-1" bash bench/h200.sh s44-apart (session 45 timed verify-16 only; its GPU lane after the fp32 rule), goal-rows on an H200.
 # Session 37 removed six switches that measured slower (JAXSPEC_ATTN_MERGED, JAXSPEC_ATTN_PREFETCH, JAXSPEC_GEMV,
 # JAXSPEC_SPLIT_PRODUCTS, JAXSPEC_LAYER_PRODUCTS, JAXSPEC_PIN_OUTPUT) with their code and diagnoses: the recipes above
 # that use them need commit a536233's tree.

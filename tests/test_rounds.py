@@ -140,9 +140,9 @@ def test_cuts_inside_a_round_and_a_call(tiny, rounds, overlap):
 def test_accepted_drafts_are_lossless_under_preemption(tiny, mode, kernels):
     """Speculative greedy equals plain greedy where drafts are often accepted (the tiny-vocabulary pair: the random
     512-token pair of tests/test_engine.py's sweep accepts about one draft in 950 rounds, so accepted drafts are rare
-    there; here 1.26 tokens a round): k 3, a pool too small for all requests at once (requests wait and are preempted mid-way, their
-    accepted tokens recomputed on return), the Pallas kernels (interpreted) at R 4 with overlap, and the eager
-    reference path."""
+    there; here 1.26 tokens a round): k 3, a pool too small for all requests at once (requests wait and are
+    preempted mid-way, their accepted tokens recomputed on return), the Pallas kernels (interpreted) at R 4 with
+    overlap, and the eager reference path."""
     cfg, params, acfg, aparams, prompts, plain = tiny
     eng = Engine(cfg, params, acfg=acfg, aparams=aparams, k=3, draft_mode=mode, buckets=(8,), max_running=8,
                  page_size=4, num_pages=40, max_context=48, prefill_chunk=8, use_kernels=kernels,

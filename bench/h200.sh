@@ -98,7 +98,10 @@
 # s39-rows (the split attention storing and merging only the real query rows' partials, against the tree before),
 # s39-attn (E4B's attention shapes in chains: the real-rows partials and other kernel knobs in one process).
 # session 44 (issue #14): s44-one, s44-verify16 (the bs-16 verify traced against .before/<dir> kernel files), then
-# next: APART_STEPS="verify-1 decode-1" bash bench/h200.sh s44-apart (session 45 timed verify-16 only; its GPU lane after the fp32 rule), goal-rows on an H200.
+# s44-apart (session 45: verify-16; session 46: verify-1, decode-1, then JAXSPEC_STEP_KEYS_APART on by default).
+# session 46: the GPU lane with the switch on, `PART=2 bash bench/h200.sh s34-lane` (test_rounds, test_engine: 49 of 50
+# in 540 s, the last alone after). Next: `JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache-shared bash bench/h200.sh goal-rows`
+# on an H200, then `python -m jaxspec.bench goals`.
 # Session 37 removed six switches that measured slower (JAXSPEC_ATTN_MERGED, JAXSPEC_ATTN_PREFETCH, JAXSPEC_GEMV,
 # JAXSPEC_SPLIT_PRODUCTS, JAXSPEC_LAYER_PRODUCTS, JAXSPEC_PIN_OUTPUT) with their code and diagnoses: the recipes above
 # that use them need commit a536233's tree.
@@ -241,9 +244,12 @@ ab_e4b() {  # $1 an environment switch, $2 a file tag: E4B's verify (ab_verify),
 }
 
 case "${1:-bench}" in
-tests)  # the same tests as on the CPU, kernels compiled by Triton (test_generate needs transformers 5.24: skipped)
-  timeout 560 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_paged.py \
-    tests/test_drafter.py tests/test_engine.py tests/test_pool.py tests/test_model.py > "$OUT/tests.txt" 2>&1
+tests)  # the same tests as on the CPU, kernels compiled by Triton (test_generate needs transformers 5.24: skipped),
+  # pytest-xdist workers sharing the GPU (one process ran 37% of them in 560 s: session 46's call 2)
+  need_xdist
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 560 python3 -m pytest -q -p no:cacheprovider -n ${WORKERS:-8} \
+    --dist loadgroup tests/test_kernels.py tests/test_paged.py tests/test_drafter.py tests/test_engine.py \
+    tests/test_pool.py tests/test_model.py > "$OUT/tests.txt" 2>&1
   tail -15 "$OUT/tests.txt" ;;
 cmdbuf)  # each drafter bucket is one command buffer: the thunk sequence of the compiled bucket
   rm -rf /tmp/dump
@@ -899,8 +905,8 @@ s44-one)  # issue #14, session 44's first call: the GPU lane of session 43's lon
          bash bench/h200.sh s43-attn-ab ;;
   esac
   echo "== $g, end (${SECONDS}s)"; (cd "$R" && tar czf all.tgz a b && rm -rf a b); OUT=$R ;;
-s44-apart)  # issue #14: JAXSPEC_STEP_KEYS_APART (session 44, off until timed here): the in-kernel q/k/v step's walk
-  # scores the step's own keys apart from each block's K and adds their values after the walk, so K goes from its
+s44-apart)  # issue #14: JAXSPEC_STEP_KEYS_APART (session 44; on by default since session 46): the in-kernel q/k/v
+  # step's walk scores the step's own keys apart from each block's K and adds their values after the walk, so K goes from its
   # loads to the product untouched (the swap into every block made the bs-16 verify's non-shared global layers 226 us
   # a call against 99 for the KV-shared ones, whose kernel is the same walk without it; session 44's call 3). First
   # the GPU tests (Triton, fp32, -n 8), then E4B's steps traced (4K), one process a run, each of APART_STEPS (default

@@ -154,7 +154,8 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     (int32[B, Tq], each query's write slot; 0: padding) follow sin_ref, and the K / V stacks' aliased outputs k_out,
     v_out follow the others. Each program norms and rotates its kv head's new K of each query (and norms V) as
     `qkv_cache` does (`_new_kv`); the key walk takes them in place of what the pool holds at their write slots, and
-    program (b, h, 0, 0) stores them there. With keys_apart the walk leaves each block's K as loaded (no select
+    program (b, h, 0, 0) stores them there. With keys_apart (the default since session 46; False swaps them into
+    every block the walk meets) the walk leaves each block's K as loaded (no select
     between the loads and the product, so K need not pass through registers): the scores at the write slots' entries
     are replaced by the queries' scores of the step's keys (computed once), V there is masked to 0 with the keys no
     query sees, and each step key's value is added after the walk with the weight the online softmax gave it.
@@ -536,7 +537,7 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
 def paged_attention_qkv(heads, k_stack, v_stack, kv_indices, kv_start, q_lo, q_hi, slots, q_norm, k_norm, cos, sin,
                         *, num_heads: int, layer: int, scale: float, q_norm_index: tuple, k_norm_index: tuple,
                         has_v: bool, v_norm: bool, eps: float, interpret: bool | None = None,
-                        num_splits: int | None = None, keys_apart: bool = False):
+                        num_splits: int | None = None, keys_apart: bool = True):
     """A non-shared layer's step from its q/k/v product to its attention in one kernel (with the split merge after
     it): what `qkv_cache.qkv_cache` (q, k, v normed, q and k rotated, K and V written at `slots`) then
     `paged_attention` (gather_q) compute, `qkv_cache`'s launch (or XLA's norm and RoPE fusions and K/V scatters)

@@ -924,6 +924,28 @@ s44-apart)  # issue #14: JAXSPEC_STEP_KEYS_APART (session 44; on by default sinc
       echo "== $step apart=$v run $i (${SECONDS}s): $(grep -hE '^step of|all kernels|Error' /tmp/$t.log | tr '\n' ' ')"
     done
   done ;;
+s46-vsel)  # issue #14: the V select every walk without step keys apart makes (`where(live, v, 0)`, the NaN guard for
+  # dead entries, which read slot 0) taken out, an experiment: the variant is made here from the tree's kernel
+  # (/tmp/s46v). Session 46's call 5 timed the kernel alone (`bench kernels --part attention`, wall medians) and saw
+  # nothing beyond the spread; this traces E4B's bs-16 verify, one process a run in VSEL_SEQ's order (default "tree
+  # novsel tree novsel") while VSEL_BUDGET s allow: the KV-shared layers' kernel (session 44: ~101 us a call at d 512)
+  # is the one to read. Not shippable as is: tests/test_paged.py::test_free_pages_poisoned_outputs_unchanged poisons
+  # the dummy page too
+  ab_save jaxspec/pallas/paged_attention.py; mkdir -p /tmp/s46v
+  python3 - <<'PY'
+s = open("jaxspec/pallas/paged_attention.py").read()
+a = "        v = jnp.where(live[:, None], v, jnp.zeros((), v.dtype))  # 0 * NaN would leak through P.V\n"
+assert a in s, "the V select moved: update s46-vsel"
+open("/tmp/s46v/paged_attention.py", "w").write(s.replace(a, "        if apart:\n    " + a))
+PY
+  i=0
+  for v in ${VSEL_SEQ:-tree novsel tree novsel}; do i=$((i + 1))
+    [ $SECONDS -lt ${VSEL_BUDGET:-420} ] || { echo "== time: stopped before run $i"; break; }
+    if [ $v = novsel ]; then AB_OLD=/tmp/s46v ab_use old jaxspec/pallas/paged_attention.py; x=-experiment
+    else ab_use new jaxspec/pallas/paged_attention.py; x=; fi
+    t=verify16-vsel-$v-run$i$x; traced_step $t "" ${VERIFY_TIMEOUT:-150} verify --bs 16
+    echo "== $v run $i (${SECONDS}s): $(grep -hE '^step of|all kernels|Error' /tmp/$t.log | tr '\n' ' ')"
+  done; ab_use new jaxspec/pallas/paged_attention.py ;;
 s44-verify16)  # issue #14: E4B's bs-16 verify (4K, 4 positions) traced, the tree's attention kernel against
   # .before/s43/paged_attention.py (carried; before the long walks), one process a run in S44_SEQ's order (default
   # "new old new old"; any other token names a directory .before/<token> holding the kernel file, carried) while

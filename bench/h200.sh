@@ -906,8 +906,8 @@ s44-one)  # issue #14, session 44's first call: the GPU lane of session 43's lon
   esac
   echo "== $g, end (${SECONDS}s)"; (cd "$R" && tar czf all.tgz a b && rm -rf a b); OUT=$R ;;
 s44-apart)  # issue #14: JAXSPEC_STEP_KEYS_APART (session 44; on by default since session 46): the in-kernel q/k/v
-  # step's walk scores the step's own keys apart from each block's K and adds their values after the walk, so K goes from its
-  # loads to the product untouched (the swap into every block made the bs-16 verify's non-shared global layers 226 us
+  # step's walk scores the step's own keys apart from each block's K and adds their values after the walk, so K goes
+  # from its loads to the product untouched (the swap into every block made the bs-16 verify's non-shared global layers 226 us
   # a call against 99 for the KV-shared ones, whose kernel is the same walk without it; session 44's call 3). First
   # the GPU tests (Triton, fp32, -n 8), then E4B's steps traced (4K), one process a run, each of APART_STEPS (default
   # "verify-1 verify-16 decode-1") with the switch in APART_SEQ's order (default "1 0 1 0") while APART_BUDGET s allow

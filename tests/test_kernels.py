@@ -238,13 +238,15 @@ def test_walk_knobs_leave_the_bs1_steps_as_tuned():
         assert knobs(1, 4, target_g, layer_type, cfg.sliding_window - 1, new_kv=True) == short
 
 
+@pytest.mark.parametrize("keys_apart", [True, False], ids=["apart", "swapped"])
 @pytest.mark.parametrize("dtype, form", [(jnp.bfloat16, (8, 2)), (jnp.float32, (8, 1))], ids=["bf16", "fp32"])
-def test_qkv_in_the_attention_kernel_long_walk_matches_reference(monkeypatch, dtype, form):
+def test_qkv_in_the_attention_kernel_long_walk_matches_reference(monkeypatch, dtype, form, keys_apart):
     """The in-kernel q/k/v step (`paged_attention_qkv`) in `walk_knobs`' long-walk form, forced by its thresholds
     (these short tables never reach 256 keys a piece), at head_dim 512: in bf16 it differs from the tuned form (8
     warps, 2 stages against 1; at 256 and below they are the same), in fp32 it keeps 1 stage (2 asked 295 040 bytes
     of shared memory on the H100, session 45's GPU lane): test_qkv_in_the_attention_kernel_matches_reference's
-    checks. On a GPU this is the bs-16 verify's non-shared global layers' kernel; the interpreter ignores the knobs."""
+    checks, with the step's keys apart (the default, session 46) and swapped into each block. On a GPU this is the
+    bs-16 verify's non-shared global layers' kernel; the interpreter ignores the knobs."""
     i = 3  # g2-d512-s2-no-vnorm
     import jaxspec.pallas.paged_attention as pa
 
@@ -255,7 +257,7 @@ def test_qkv_in_the_attention_kernel_long_walk_matches_reference(monkeypatch, dt
     paged_attention_qkv.clear_cache()  # jitted: a trace of these shapes in the tuned form would be reused
     try:
         case, _, has_v, v_norm = QKV_CASES[i]
-        test_qkv_in_the_attention_kernel_matches_reference(case, dtype, has_v, v_norm, keys_apart=False)
+        test_qkv_in_the_attention_kernel_matches_reference(case, dtype, has_v, v_norm, keys_apart=keys_apart)
     finally:
         paged_attention_qkv.clear_cache()
     assert set(asked) == {form} and ATTENTION_CASES[QKV_CASES[i][0]][2] == 512, (asked, QKV_CASES[i])

@@ -155,8 +155,8 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     v_out follow the others. Each program norms and rotates its kv head's new K of each query (and norms V) as
     `qkv_cache` does (`_new_kv`); the key walk takes them in place of what the pool holds at their write slots, and
     program (b, h, 0, 0) stores them there. With keys_apart (the default since session 46; False swaps them into
-    every block the walk meets) the walk leaves each block's K as loaded (no select
-    between the loads and the product, so K need not pass through registers): the scores at the write slots' entries
+    every block the walk meets) the walk leaves each block's K as loaded (no select between the loads and the
+    product, so K need not pass through registers): the scores at the write slots' entries
     are replaced by the queries' scores of the step's keys (computed once), V there is masked to 0 with the keys no
     query sees, and each step key's value is added after the walk with the weight the online softmax gave it.
     (Two other forms were measured on the H200 and removed in session 37, commit a536233 has them: the splits merged
@@ -434,10 +434,11 @@ def walk_knobs(head_dim: int, width: int, num_splits: int, new_kv: bool = False,
     layer's 512 at bs 64 185 -> 133; the drafter's bs-64 propose 3 264 -> 2 413 us. Neither knob changes which keys
     a block holds: in bf16 the output was the same bit for bit in every shape timed; in fp32 at head_dim 512 it
     differs by an ulp at most (the warps' share of each product moves; the GPU lane, session 44).
-    new_kv (`paged_attention_qkv`'s in-kernel q/k/v step, whose walk swaps the step's own keys into each K / V block)
-    walks long with 8 warps: the bs-16 verify's non-shared global layers took 249 us a call tuned (8 warps, 1 stage),
+    new_kv (`paged_attention_qkv`'s in-kernel q/k/v step) walks long with 8 warps: with the step's own keys swapped
+    into each K / V block, the bs-16 verify's non-shared global layers took 249 us a call tuned (8 warps, 1 stage),
     308 with 4 warps and 2 stages, 226 with 8 and 2; the step's kernels 7 420 / 7 662 / 7 329 us (the H100, two
-    traced runs each side by side, session 44). Its 2 stages hold two blocks of K / V in shared memory: in fp32
+    traced runs each side by side, session 44); with them apart (keys_apart, the default since session 46) 136-137 us
+    a call with 8 and 2 (session 45). Its 2 stages hold two blocks of K / V in shared memory: in fp32
     (itemsize 4) at head_dim 512 that asked 295 040 bytes of the H100's 232 448 (the GPU lane, session 45), so there
     it keeps 1 stage (the tuned form, which runs in fp32)."""
     if num_splits <= LONG_WALK_PIECES and width >= LONG_WALK_KEYS * num_splits:

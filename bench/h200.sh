@@ -102,6 +102,9 @@
 # session 46: the GPU lane with the switch on, `PART=2 bash bench/h200.sh s34-lane` (test_rounds, test_engine: 49 of 50
 # in 540 s, the last alone after). Next: `JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache-shared bash bench/h200.sh goal-rows`
 # on an H200, then `python -m jaxspec.bench goals`.
+# session 47: the lane's old part 1 (test_kernels, test_model all passed; test_paged 11 of 13, test_drafter 6 of 27
+# before the time ran out, no failure): compile-bound (ptxas), now split, parts 1, 3, 4. Next: PART=3, PART=4, then
+# goal-rows on an H200 as above.
 # Session 37 removed six switches that measured slower (JAXSPEC_ATTN_MERGED, JAXSPEC_ATTN_PREFETCH, JAXSPEC_GEMV,
 # JAXSPEC_SPLIT_PRODUCTS, JAXSPEC_LAYER_PRODUCTS, JAXSPEC_PIN_OUTPUT) with their code and diagnoses: the recipes above
 # that use them need commit a536233's tree.
@@ -905,7 +908,8 @@ s44-one)  # issue #14, session 44's first call: the GPU lane of session 43's lon
          bash bench/h200.sh s43-attn-ab ;;
   esac
   echo "== $g, end (${SECONDS}s)"; (cd "$R" && tar czf all.tgz a b && rm -rf a b); OUT=$R ;;
-s44-apart)  # issue #14: JAXSPEC_STEP_KEYS_APART (session 44; on by default since session 46): the in-kernel q/k/v
+s44-apart)  # issue #14: JAXSPEC_STEP_KEYS_APART (session 44; on by default since session 46; retired in session 47 with
+  # the swapped walk: the A/B below needs commit 51c8dbd's tree, its test step runs on any tree): the in-kernel q/k/v
   # step's walk scores the step's own keys apart from each block's K and adds their values after the walk, so K goes
   # from its loads to the product untouched (the swap into every block made the bs-16 verify's non-shared global layers 226 us
   # a call against 99 for the KV-shared ones, whose kernel is the same walk without it; session 44's call 3). First
@@ -1142,13 +1146,17 @@ s34-one-row)  # issue #14 (next): one-row bf16 products with fp32 terms on the G
       --modes off,bucketed -k 4 --json "$OUT/e2e-one-row-$tag$(tail_of $tag).json" > "$OUT/e2e-one-row-$tag.log" 2>&1
     echo "== $tag: $(grep -h -A3 '^bs ' "$OUT/e2e-one-row-$tag.log" | tr '\n' ' ')"; done
   use new; true ;;
-s34-lane)  # issue #14: the whole GPU lane of the current tree in two calls (PART 1: the kernels, model, paged cache,
-  # drafter and layer-kernel files; PART 2: test_rounds and test_engine), pytest-xdist workers sharing the GPU (memory
-  # not preallocated; xdist carried in .whl/ when the machine lacks it), every test's outcome listed (-v)
+s34-lane)  # issue #14: the whole GPU lane of the current tree in four calls (PART 1: the kernels and model files; 2:
+  # test_rounds and test_engine; 3: the paged cache and the drafter; 4: the layer kernels, staging and the pool),
+  # pytest-xdist workers sharing the GPU (memory not preallocated; xdist carried in .whl/ when the machine lacks it),
+  # every test's outcome listed (-v). Session 47: the part is bound by the compiles' ptxas on the 16 cores (load 75
+  # with 8 workers, the GPU idle), so session 46's one part 1 (266 tests) did half in 540 s; parts 3 and 4 were in it
   need_xdist
   case ${PART:-1} in
-    1) files="tests/test_kernels.py tests/test_model.py tests/test_paged.py tests/test_drafter.py tests/test_draft_layer.py
-        tests/test_qkv_cache.py tests/test_row_norms.py tests/test_staging.py tests/test_pool.py" ;;
+    1) files="tests/test_kernels.py tests/test_model.py" ;;
+    3) files="tests/test_paged.py tests/test_drafter.py" ;;
+    4) files="tests/test_draft_layer.py tests/test_qkv_cache.py tests/test_row_norms.py tests/test_staging.py
+        tests/test_pool.py" ;;
     *) files="tests/test_rounds.py tests/test_engine.py" ;;
   esac
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-560} python3 -m pytest -v -p no:cacheprovider --tb=short \

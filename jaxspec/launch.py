@@ -153,8 +153,8 @@ def check_engine_args(args) -> None:
     buckets(args.draft_bs)
     for name in RETIRED_SWITCHES:  # after the checks: a bad flag stays one line
         if name in os.environ:
-            print(f"note: {name} is no longer read (removed in session 37: it ran slower, BENCHMARKS.md); ignored",
-                  file=sys.stderr)
+            print(f"note: {name} is no longer read (removed with its code: the form it chose ran slower, BENCHMARKS.md"
+                  " sessions 37 and 47); ignored", file=sys.stderr)
 
 
 def buckets(text: str) -> tuple[int, ...]:

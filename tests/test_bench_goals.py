@@ -187,6 +187,11 @@ def test_goals_skip_runs_with_a_switch_set_otherwise_than_shipped(tmp_path):
     assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == retired
     propose("f4.json", "2026-12-02T14:40:00+00:00", 40.0, {"JAXSPEC_LAYER_PRODUCTS": "1"})
     assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == retired
+    # the retired switch whose kept form was its "1" (the step's keys apart): set so, the file measured what ships
+    apart = propose("f5.json", "2026-12-02T14:50:00+00:00", 210.0, {"JAXSPEC_STEP_KEYS_APART": "1"})
+    assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == apart
+    propose("f6.json", "2026-12-02T14:55:00+00:00", 30.0, {"JAXSPEC_STEP_KEYS_APART": "0"})
+    assert goals(tmp_path, d)["propose_e4b_bs1_4k_us", 14]["source"] == apart
 
     def plain(name, date, tok_s, rounds, unroll):
         return result(d, name, "e2e", date, [{"bs": 1, "mode": "off", "rounds_per_call": rounds,

@@ -238,15 +238,14 @@ def test_walk_knobs_leave_the_bs1_steps_as_tuned():
         assert knobs(1, 4, target_g, layer_type, cfg.sliding_window - 1, new_kv=True) == short
 
 
-@pytest.mark.parametrize("keys_apart", [True, False], ids=["apart", "swapped"])
 @pytest.mark.parametrize("dtype, form", [(jnp.bfloat16, (8, 2)), (jnp.float32, (8, 1))], ids=["bf16", "fp32"])
-def test_qkv_in_the_attention_kernel_long_walk_matches_reference(monkeypatch, dtype, form, keys_apart):
+def test_qkv_in_the_attention_kernel_long_walk_matches_reference(monkeypatch, dtype, form):
     """The in-kernel q/k/v step (`paged_attention_qkv`) in `walk_knobs`' long-walk form, forced by its thresholds
     (these short tables never reach 256 keys a piece), at head_dim 512: in bf16 it differs from the tuned form (8
     warps, 2 stages against 1; at 256 and below they are the same), in fp32 it keeps 1 stage (2 asked 295 040 bytes
     of shared memory on the H100, session 45's GPU lane): test_qkv_in_the_attention_kernel_matches_reference's
-    checks, with the step's keys apart (the default, session 46) and swapped into each block. On a GPU this is the
-    bs-16 verify's non-shared global layers' kernel; the interpreter ignores the knobs."""
+    checks. On a GPU this is the bs-16 verify's non-shared global layers' kernel; the interpreter ignores the
+    knobs."""
     i = 3  # g2-d512-s2-no-vnorm
     import jaxspec.pallas.paged_attention as pa
 
@@ -257,7 +256,7 @@ def test_qkv_in_the_attention_kernel_long_walk_matches_reference(monkeypatch, dt
     paged_attention_qkv.clear_cache()  # jitted: a trace of these shapes in the tuned form would be reused
     try:
         case, _, has_v, v_norm = QKV_CASES[i]
-        test_qkv_in_the_attention_kernel_matches_reference(case, dtype, has_v, v_norm, keys_apart=keys_apart)
+        test_qkv_in_the_attention_kernel_matches_reference(case, dtype, has_v, v_norm)
     finally:
         paged_attention_qkv.clear_cache()
     assert set(asked) == {form} and ATTENTION_CASES[QKV_CASES[i][0]][2] == 512, (asked, QKV_CASES[i])
@@ -307,15 +306,14 @@ QKV_CASES = [  # case of ATTENTION_CASES, dtype, has_v, v_norm
 @pytest.mark.parametrize("case, dtype, has_v, v_norm", QKV_CASES,
                          ids=["g1-d16-s1", "g4-d16-swa-s2-bf16", "g4-d16-swa-s2-k-eq-v", "g2-d512-s2-no-vnorm",
                               "g2-tq4-d16-swa-s3", "g8-tq4-d16-2blocks-k-eq-v", "g2-tq4-d256-swa-bf16"])
-@pytest.mark.parametrize("keys_apart", [False, True], ids=["swapped", "apart"])
-def test_qkv_in_the_attention_kernel_matches_reference(case, dtype, has_v, v_norm, keys_apart):
+def test_qkv_in_the_attention_kernel_matches_reference(case, dtype, has_v, v_norm):
     """A non-shared layer's step in one attention kernel (`paged_attention_qkv`: q, k, v normed, q and k rotated,
     K and V written at the write slots and attended; one position a row, or a verify's four, each query seeing the
     step's earlier keys) against `qkv_cache_ref` then the reference attention, on a layer stack whose other layer and
     unread slots are NaN and whose write slots hold NaN before the step (the key walk must take the step's own K and
     V, not the pool's). The stacks come back with the reference's K and V at the write slots and every other entry as
-    it was; the padding row writes nothing. keys_apart: the walk scores the step's keys apart from the blocks' K
-    and adds their values after it (`paged_attention_qkv`'s keys_apart) instead of swapping them into each block."""
+    it was; the padding row writes nothing. The walk scores the step's keys apart from the blocks' K and adds
+    their values after it."""
     g, tq, d, _, window, cached, tuning = ATTENTION_CASES[case]
     rng = np.random.default_rng(5)
     batch = make_batch(rng, cached=cached, tq=tq, window=window, translate=window is not None)
@@ -337,7 +335,7 @@ def test_qkv_in_the_attention_kernel_matches_reference(case, dtype, has_v, v_nor
     got, k_got, v_got = paged_attention_qkv(
         heads, k_bad, v_bad, x.indices, batch.starts, batch.q_lo, batch.q_hi, slots, norms, norms, cos, sin,
         num_heads=NH, layer=1, scale=0.3, q_norm_index=(0, 1), k_norm_index=(1, 2), has_v=has_v, v_norm=v_norm,
-        eps=1e-6, num_splits=tuning.get("num_splits"), keys_apart=keys_apart)
+        eps=1e-6, num_splits=tuning.get("num_splits"))
     clean = (jnp.stack([x.k, x.k]), jnp.stack([x.v, x.v]))
     q, k_want, v_want = qkv_cache_ref(heads.reshape(B, tq, -1), Vec(norms, (0, 1)), Vec(norms, (1, 2)), cos, sin,
                                       *clean, 1, slots, num_heads=NH, has_v=has_v, v_norm=v_norm, eps=1e-6)

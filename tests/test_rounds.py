@@ -396,27 +396,25 @@ def test_one_position_steps_norm_and_rotate_in_the_attention_kernel(oracle, monk
     assert rows == launched, rows  # bucket 4 x 1 position; never an 8-position chunk
 
 
-@pytest.mark.parametrize("switches", [{}, {"JAXSPEC_VERIFY_IN_ATTENTION": "0"}, {"JAXSPEC_STEP_KEYS_APART": "0"}],
-                         ids=["default", "off", "keys-swapped"])
+@pytest.mark.parametrize("switches", [{}, {"JAXSPEC_VERIFY_IN_ATTENTION": "0"}], ids=["default", "off"])
 def test_verify_steps_norm_and_rotate_in_the_attention_kernel(oracle, monkeypatch, switches):
     """JAXSPEC_VERIFY_IN_ATTENTION (on by default since session 42): in a verify step's k + 1 positions too, a
     non-shared layer's q/k/v norms, RoPE and K/V write run inside its attention kernel (`paged_attention_qkv`: each
     program computes the step's four keys of its kv head and takes them wherever the walk meets their slots) and a
     KV-shared layer's q norm and RoPE inside its own (RoPE tables per query row); 0: XLA's norm and rotation fusions
-    and two scatters a layer. JAXSPEC_STEP_KEYS_APART (on by default since session 46): the in-kernel step's walk
-    scores the step's own keys apart from each block's K and adds their values after the walk (`keys_apart`); 0
-    swaps them into every block instead. Each way the engine (kernels interpreted, k 3, R 2 with overlap: the K/V a
+    and two scatters a layer. The in-kernel step's walk scores the step's own keys apart from each block's K and
+    adds their values after the walk. Each way the engine (kernels interpreted, k 3, R 2 with overlap: the K/V a
     verify writes are read by the drafter, the KV-shared layers and the later rounds) gives transformers' greedy
-    continuations, and the 4-position attention calls took the raw projections (and the K/V heads) as the switches
-    say, every in-kernel step (the 8-token prefill chunks' and the verify steps') walking apart or not as asked."""
+    continuations, and the 4-position attention calls took the raw projections (and the K/V heads) as the switch
+    says, the 8-token prefill chunks' in-kernel steps too when it is on."""
     import jaxspec.pallas.paged_attention as pa
 
-    for name in ("JAXSPEC_VERIFY_IN_ATTENTION", "JAXSPEC_QKV_IN_ATTENTION", "JAXSPEC_STEP_KEYS_APART"):
+    for name in ("JAXSPEC_VERIFY_IN_ATTENTION", "JAXSPEC_QKV_IN_ATTENTION"):
         monkeypatch.delenv(name, raising=False)
     for name, value in switches.items():
         monkeypatch.setenv(name, value)
     seen = []  # (queries a row, q normed and rotated in the kernel, K/V computed and written in it) of each call
-    apart = set()  # (queries a row, keys apart) of each in-kernel q/k/v step
+    steps = set()  # queries a row of each in-kernel q/k/v step
     real = pa.paged_attention_rows
     pa.paged_attention.clear_cache()  # jitted: earlier traces of these shapes would hide the inner calls
     pa.paged_attention_qkv.clear_cache()
@@ -426,22 +424,21 @@ def test_verify_steps_norm_and_rotate_in_the_attention_kernel(oracle, monkeypatc
             rows, _, group = kw["gather_q"]
             seen.append((rows // group, kw.get("rope") is not None, kw.get("new_kv") is not None))
             if kw.get("new_kv") is not None:
-                apart.add((rows // group, kw["new_kv"][5]))
+                steps.add(rows // group)
         return real(*a, **{**kw, "block_k": 16})  # both pieces of a row hold keys at these short contexts
 
     monkeypatch.setattr(pa, "paged_attention_rows", spy)
     try:
         got, want = kernels_greedy(oracle)
     finally:
-        pa.paged_attention_qkv.clear_cache()  # keep no keys-swapped trace for later tests
+        pa.paged_attention_qkv.clear_cache()  # keep no trace with the spy's blocks for later tests
     assert got == want
     verify = {(rope, new) for queries, rope, new in seen if queries == 4}
     # the oracle's sliding layers (head_dim 16: halves of 8, `qkv_cache.supported` refuses) keep XLA's q/k/v step
     in_kernel = "JAXSPEC_VERIFY_IN_ATTENTION" not in switches
     assert verify == ({(True, True), (True, False), (False, False)} if in_kernel else {(False, False)}), verify
-    keys_apart = switches.get("JAXSPEC_STEP_KEYS_APART") != "0"
     # the switch takes every multi-position step: the 8-token prefill chunks' in-kernel steps go with the verify's
-    assert apart == ({(8, keys_apart), (4, keys_apart)} if in_kernel else set()), apart
+    assert steps == ({8, 4} if in_kernel else set()), steps
 
 
 def test_staged_inputs_engine_equals_transformers_greedy_and_unstaged_sampling(oracle, monkeypatch):

@@ -232,8 +232,7 @@ def paged_attend(cfg: TargetConfig, meta: StepMetadata, *, use_kernels: bool, me
                 heads, stack.k, stack.v, m.read, m.kv_start, m.q_lo, m.q_hi, m.write, q_norm.stack,
                 k_norm.stack, cos, sin, num_heads=cfg.num_heads, layer=layer, scale=cfg.query_scale,
                 q_norm_index=tuple(q_norm.index), k_norm_index=tuple(k_norm.index),
-                has_v=cfg.has_v_proj(i), v_norm=cfg.use_v_norm, eps=cfg.rms_norm_eps,
-                keys_apart=env_switch("JAXSPEC_STEP_KEYS_APART") is not False)
+                has_v=cfg.has_v_proj(i), v_norm=cfg.use_v_norm, eps=cfg.rms_norm_eps)
             return a, {**kv, t: LayerKV(k=k, v=v)}
 
         attend.qkv_attend = qkv_attend

@@ -149,19 +149,20 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
     With gather_q and rope_eps, q_ref holds the raw projections in q's own layout and no q_swap follows it: qn_ref
     (the q-norm stack, read at rope_index), cos_ref and sin_ref ([B, Tq, D]: each query's) do
     (`_gathered_rope_operands`).
-    With new_kv = (NH, has_v, v_norm, k_norm_index, heads a query, keys_apart) (gather_q, rope_eps): q_ref is a non-shared
+    With new_kv = (NH, has_v, v_norm, k_norm_index, heads a query) (gather_q, rope_eps): q_ref is a non-shared
     layer's whole q/k/v product as heads [B, Tq (NH + KVH (+ KVH)), D]; kn_ref (the k-norm stack) and slot_ref
     (int32[B, Tq], each query's write slot; 0: padding) follow sin_ref, and the K / V stacks' aliased outputs k_out,
     v_out follow the others. Each program norms and rotates its kv head's new K of each query (and norms V) as
     `qkv_cache` does (`_new_kv`); the key walk takes them in place of what the pool holds at their write slots, and
-    program (b, h, 0, 0) stores them there. With keys_apart (the default since session 46; False swaps them into
-    every block the walk meets) the walk leaves each block's K as loaded (no select between the loads and the
-    product, so K need not pass through registers): the scores at the write slots' entries
-    are replaced by the queries' scores of the step's keys (computed once), V there is masked to 0 with the keys no
-    query sees, and each step key's value is added after the walk with the weight the online softmax gave it.
-    (Two other forms were measured on the H200 and removed in session 37, commit a536233 has them: the splits merged
-    in this kernel by the last program of a query block to finish, after an atomic count, E4B's verify step 15%
-    slower, session 15; the key walk software-pipelined by hand, no walk faster and long ones up to 19% slower,
+    program (b, h, 0, 0) stores them there. The walk keeps the step's keys apart: it leaves each block's K as loaded
+    (no select between the loads and the product, so K need not pass through registers), the scores at the write
+    slots' entries are replaced by the queries' scores of the step's keys (computed once), V there is masked to 0
+    with the keys no query sees, and each step key's value is added after the walk with the weight the online
+    softmax gave it. (Three other forms were measured on the GPU and removed: the step's keys swapped into every K /
+    V block the walk meets, `JAXSPEC_STEP_KEYS_APART=0` until session 47 (commit 51c8dbd has it), the bs-16
+    verify's kernels 5.8% slower, the bs-1 steps' 0.3-0.7%; and in session 37 (commit a536233 has them) the splits
+    merged in this kernel by the last program of a query block to finish, after an atomic count, E4B's verify step
+    15% slower, session 15; the key walk software-pipelined by hand, no walk faster and long ones up to 19% slower,
     session 16.)
     """
     if new_kv is not None:
@@ -241,8 +242,8 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
 
     def attend(block, k, v, acc, m_prev, l_prev, apart=()):
         """One block of the online softmax: (acc, m, l) and, for `apart`, (correction, p). apart: (hit [block_k],
-        score [block_q]) of each step key kept apart from the block's K and V (keys_apart): its entries' scores
-        replaced by its own, V there 0."""
+        score [block_q]) of each step key kept apart from the block's K and V: its entries' scores replaced by its
+        own, V there 0."""
         _, valid, key_live = block
         live = functools.reduce(lambda a, hit_score: a & ~hit_score[0], apart, key_live)
         v = jnp.where(live[:, None], v, jnp.zeros((), v.dtype))  # 0 * NaN would leak through P.V
@@ -262,19 +263,14 @@ def _attention_kernel(*refs, scale: float, block_k: int, num_splits: int, layer:
 
     def body(j, carry):
         block = keys(j)
-        slots = slots_of(block)
-        k, v = rows_of(slots)
-        for k_new, v_new, slot in new:  # the step's own keys: computed here, not yet in the pool
-            hit = ((slots == slot) & (slot != 0))[:, None]
-            k, v = jnp.where(hit, k_new[None, :], k), jnp.where(hit, v_new[None, :], v)
-        return attend(block, k, v, *carry)[0]
+        return attend(block, *rows_of(slots_of(block)), *carry)[0]
 
     init = (
         jnp.zeros((block_q, head_dim), jnp.float32),
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    if new and new_kv[5]:  # keys apart: each block's K straight to the product, V as every walk masks it
+    if new:  # the step's own keys (not yet in the pool) apart: each block's K straight to the product
         scores = [jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * scale
                   for k_new, _, _ in new]  # [block_q] each: the queries' scores of the step's keys
 
@@ -435,10 +431,10 @@ def walk_knobs(head_dim: int, width: int, num_splits: int, new_kv: bool = False,
     a block holds: in bf16 the output was the same bit for bit in every shape timed; in fp32 at head_dim 512 it
     differs by an ulp at most (the warps' share of each product moves; the GPU lane, session 44).
     new_kv (`paged_attention_qkv`'s in-kernel q/k/v step) walks long with 8 warps: with the step's own keys swapped
-    into each K / V block, the bs-16 verify's non-shared global layers took 249 us a call tuned (8 warps, 1 stage),
-    308 with 4 warps and 2 stages, 226 with 8 and 2; the step's kernels 7 420 / 7 662 / 7 329 us (the H100, two
-    traced runs each side by side, session 44); with them apart (keys_apart, the default since session 46) 136-137 us
-    a call with 8 and 2 (session 45). Its 2 stages hold two blocks of K / V in shared memory: in fp32
+    into each K / V block (the form before session 47), the bs-16 verify's non-shared global layers took 249 us a
+    call tuned (8 warps, 1 stage), 308 with 4 warps and 2 stages, 226 with 8 and 2; the step's kernels 7 420 / 7 662
+    / 7 329 us (the H100, two traced runs each side by side, session 44); with them apart (the walk now) 136-137 us a
+    call with 8 and 2 (session 45). Its 2 stages hold two blocks of K / V in shared memory: in fp32
     (itemsize 4) at head_dim 512 that asked 295 040 bytes of the H100's 232 448 (the GPU lane, session 45), so there
     it keeps 1 stage (the tuned form, which runs in fp32)."""
     if num_splits <= LONG_WALK_PIECES and width >= LONG_WALK_KEYS * num_splits:
@@ -534,11 +530,11 @@ def paged_attention(q, k_cache, v_cache, kv_indices, kv_start, q_lo, q_hi, *, sc
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "layer", "scale", "q_norm_index", "k_norm_index",
-                                             "has_v", "v_norm", "eps", "interpret", "num_splits", "keys_apart"))
+                                             "has_v", "v_norm", "eps", "interpret", "num_splits"))
 def paged_attention_qkv(heads, k_stack, v_stack, kv_indices, kv_start, q_lo, q_hi, slots, q_norm, k_norm, cos, sin,
                         *, num_heads: int, layer: int, scale: float, q_norm_index: tuple, k_norm_index: tuple,
                         has_v: bool, v_norm: bool, eps: float, interpret: bool | None = None,
-                        num_splits: int | None = None, keys_apart: bool = True):
+                        num_splits: int | None = None):
     """A non-shared layer's step from its q/k/v product to its attention in one kernel (with the split merge after
     it): what `qkv_cache.qkv_cache` (q, k, v normed, q and k rotated, K and V written at `slots`) then
     `paged_attention` (gather_q) compute, `qkv_cache`'s launch (or XLA's norm and RoPE fusions and K/V scatters)
@@ -560,7 +556,7 @@ def paged_attention_qkv(heads, k_stack, v_stack, kv_indices, kv_start, q_lo, q_h
         heads.reshape(B, T * per_query, D), k_stack, v_stack, kv_indices, kv_start, row_lo, row_hi, span,
         scale=scale, layer=layer, block_q=block_q, num_splits=num_splits, interpret=interpret,
         gather_q=(T * G, num_heads, G), real_rows=T * G, rope=rope,
-        new_kv=(k_norm, k_norm_index, slots.reshape(B, T), has_v, v_norm, keys_apart))
+        new_kv=(k_norm, k_norm_index, slots.reshape(B, T), has_v, v_norm))
     return out.reshape(B, T, num_heads, D), k_stack, v_stack
 
 
@@ -639,7 +635,7 @@ def paged_attention_rows(q_rows, k_cache, v_cache, kv_indices, kv_start, row_lo,
                                real_rows=real_rows, granule=None if granule == block_k else granule,
                                rope_index=tuple(rope[2]) if rope is not None and gather_q is not None else None,
                                new_kv=None if new_kv is None else (gather_q[1], new_kv[3], new_kv[4],
-                                                                   tuple(new_kv[1]), heads_a_query, new_kv[5]))
+                                                                   tuple(new_kv[1]), heads_a_query))
 
     def whole(shape):  # read by slot or row index inside the kernel
         return pl.BlockSpec(shape, lambda b, h, r, s: (0,) * len(shape))

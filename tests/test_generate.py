@@ -86,10 +86,15 @@ def test_profile_dir_writes_a_trace(tmp_path):
     assert traces
 
 
-def test_demo_default_runs(capsys):
+def test_demo_default_runs(capsys, monkeypatch):
+    """The demo runs; a retired switch set in the environment (config.RETIRED_SWITCHES) is named once in the run."""
+    monkeypatch.setenv("JAXSPEC_STEP_KEYS_APART", "0")
     assert main(["--model", "demo-random", "--draft-bs", "1,4", "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr()
     assert "RANDOM WEIGHTS" in out.out and "decode tokens/s" in out.out
+    assert [line for line in out.err.splitlines() if "JAXSPEC_STEP_KEYS_APART" in line] == [
+        "note: JAXSPEC_STEP_KEYS_APART is no longer read (removed with its code: the form it chose ran slower, "
+        "BENCHMARKS.md sessions 37 and 47); ignored"]
 
 
 def bad(argv, capsys, match):

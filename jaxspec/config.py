@@ -38,12 +38,13 @@ SWITCHES = ("JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE", "JAXSPEC_UNROLL_ROUNDS", "JAXS
             "JAXSPEC_FUSE_QKV", "JAXSPEC_FUSED_NORMS", "JAXSPEC_JOINT_QK_NORM", "JAXSPEC_QKV_KERNEL",
             "JAXSPEC_STAGE_INPUTS", "JAXSPEC_PINNED_INPUTS", "JAXSPEC_SHARED_Q_IN_ATTENTION",
             "JAXSPEC_QKV_IN_ATTENTION", "JAXSPEC_VERIFY_IN_ATTENTION")
-# switches whose code was removed (measured slower on the GPU; BENCHMARKS.md sessions 37 and 47: the form they chose
-# is gone, JAXSPEC_STEP_KEYS_APART's form is the only one), and the layer products kernel's site list beside them:
-# read no more, a set one is named in a note on stderr (`launch.check_engine_args`)
-RETIRED_SWITCHES = ("JAXSPEC_ATTN_MERGED", "JAXSPEC_ATTN_PREFETCH", "JAXSPEC_GEMV", "JAXSPEC_SPLIT_PRODUCTS",
-                    "JAXSPEC_PIN_OUTPUT", "JAXSPEC_LAYER_PRODUCTS", "JAXSPEC_LAYER_PRODUCT_SITES",
-                    "JAXSPEC_STEP_KEYS_APART")
+# switches whose code was removed with the form they chose (measured slower on the GPU; BENCHMARKS.md sessions 37 and
+# 47), and the layer products kernel's site list beside them, each with the value that runs the form that stayed (what
+# older result files that set it measured as shipped: `bench goals`): read no more, a set one is named in a note on
+# stderr (`launch.check_engine_args`)
+RETIRED_SWITCHES = {"JAXSPEC_ATTN_MERGED": "0", "JAXSPEC_ATTN_PREFETCH": "0", "JAXSPEC_GEMV": "0",
+                    "JAXSPEC_SPLIT_PRODUCTS": "0", "JAXSPEC_PIN_OUTPUT": "0", "JAXSPEC_LAYER_PRODUCTS": "0",
+                    "JAXSPEC_LAYER_PRODUCT_SITES": "0", "JAXSPEC_STEP_KEYS_APART": "1"}
 # jaxlib's own environment that changes how a program is run and timed (1: PJRT's TFRT GPU client instead of the
 # stream-executor one, other transfer and launch paths); benchmark results record them beside SWITCHES
 CLIENT_ENV = ("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT",)

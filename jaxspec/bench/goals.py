@@ -122,9 +122,8 @@ SHIPPED_SWITCHES = {"JAXSPEC_PRIME": "1", "JAXSPEC_GC_FREEZE": "1", "JAXSPEC_UNR
                     "JAXSPEC_PINNED_INPUTS": "1", "JAXSPEC_SHARED_Q_IN_ATTENTION": "1",
                     "JAXSPEC_QKV_IN_ATTENTION": "1", "JAXSPEC_VERIFY_IN_ATTENTION": "1"}
 # None: shipped unset only (JAXSPEC_QKV_KERNEL's default, on in one-position steps, is neither "0" nor "1")
-# switches removed with their code, as older result files record them: the form that stayed is what shipped (off,
-# but on for JAXSPEC_STEP_KEYS_APART, whose walk is the kernel's only one since session 47)
-RETIRED_SWITCHES = {**{name: "0" for name in config.RETIRED_SWITCHES}, "JAXSPEC_STEP_KEYS_APART": "1"}
+# switches removed with their code, as older result files record them: the value of the form that stayed shipped
+RETIRED_SWITCHES = dict(config.RETIRED_SWITCHES)
 
 
 # jaxlib's environment as shipped (`config.CLIENT_ENV`; unset means this): the stream-executor GPU client

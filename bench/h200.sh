@@ -934,7 +934,8 @@ s46-vsel)  # issue #14: the V select every walk without step keys apart makes (`
   # nothing beyond the spread; this traces E4B's bs-16 verify, one process a run in VSEL_SEQ's order (default "tree
   # novsel tree novsel") while VSEL_BUDGET s allow: the KV-shared layers' kernel (session 44: ~101 us a call at d 512)
   # is the one to read. Not shippable as is: tests/test_paged.py::test_free_pages_poisoned_outputs_unchanged poisons
-  # the dummy page too
+  # the dummy page too. Session 48: VSEL_ARGS (default "verify --bs 16") and VSEL_TAG (default verify16) time another
+  # step
   ab_save jaxspec/pallas/paged_attention.py; mkdir -p /tmp/s46v
   python3 - <<'PY'
 s = open("jaxspec/pallas/paged_attention.py").read()
@@ -947,7 +948,7 @@ PY
     [ $SECONDS -lt ${VSEL_BUDGET:-420} ] || { echo "== time: stopped before run $i"; break; }
     if [ $v = novsel ]; then AB_OLD=/tmp/s46v ab_use old jaxspec/pallas/paged_attention.py; x=-experiment
     else ab_use new jaxspec/pallas/paged_attention.py; x=; fi
-    t=verify16-vsel-$v-run$i$x; traced_step $t "" ${VERIFY_TIMEOUT:-150} verify --bs 16
+    t=${VSEL_TAG:-verify16}-vsel-$v-run$i$x; traced_step $t "" ${VERIFY_TIMEOUT:-150} ${VSEL_ARGS:-verify --bs 16}
     echo "== $v run $i (${SECONDS}s): $(grep -hE '^step of|all kernels|Error' /tmp/$t.log | tr '\n' ' ')"
   done; ab_use new jaxspec/pallas/paged_attention.py ;;
 s44-verify16)  # issue #14: E4B's bs-16 verify (4K, 4 positions) traced, the tree's attention kernel against
@@ -1146,12 +1147,30 @@ s34-one-row)  # issue #14 (next): one-row bf16 products with fp32 terms on the G
       --modes off,bucketed -k 4 --json "$OUT/e2e-one-row-$tag$(tail_of $tag).json" > "$OUT/e2e-one-row-$tag.log" 2>&1
     echo "== $tag: $(grep -h -A3 '^bs ' "$OUT/e2e-one-row-$tag.log" | tr '\n' ' ')"; done
   use new; true ;;
+s48-autotune)  # issue #14: why the lane is compile-bound (session 47): one test's compiles timed as is and with
+  # XLA's GEMM autotuning off (`--xla_gpu_autotune_level=0`), each in a fresh process with no compile cache, the sum
+  # of JAX_LOG_COMPILES' "Finished XLA compilation" times and the wall; then lane PART ($PART, default 3) in the time
+  # left (s34-lane: autotuning off unless LANE_XLA_FLAGS says otherwise)
+  t=${AT_TEST:-tests/test_paged.py::test_requests_cannot_read_each_other}
+  for v in tuned untuned; do
+    fl=$([[ $v == untuned ]] && echo --xla_gpu_autotune_level=0 || echo "")
+    s=$SECONDS; XLA_FLAGS="$fl" JAX_LOG_COMPILES=1 timeout ${AT_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider \
+      --tb=short -rf -o log_cli=true --log-cli-level=WARNING "$t" > "$OUT/autotune-$v.txt" 2>&1
+    echo "== $v: wall $((SECONDS - s)) s, $(grep -E '(passed|failed).* in ' "$OUT/autotune-$v.txt" | tail -1);" \
+      "compiles $(grep -c 'Finished XLA compilation' "$OUT/autotune-$v.txt"), their sum" \
+      "$(grep -oE 'Finished XLA compilation of .* in [0-9.e-]+ sec' "$OUT/autotune-$v.txt" \
+        | awk '{s += $(NF-1)} END {printf "%.1f s", s}')"; done
+  PART=${PART:-3} TEST_TIMEOUT=$(( ${CALL_BUDGET:-575} - SECONDS )) bash "$0" s34-lane ;;
 s34-lane)  # issue #14: the whole GPU lane of the current tree in four calls (PART 1: the kernels and model files; 2:
   # test_rounds and test_engine; 3: the paged cache and the drafter; 4: the layer kernels, staging and the pool),
   # pytest-xdist workers sharing the GPU (memory not preallocated; xdist carried in .whl/ when the machine lacks it),
   # every test's outcome listed (-v). Session 47: the part is bound by the compiles' ptxas on the 16 cores (load 75
-  # with 8 workers, the GPU idle), so session 46's one part 1 (266 tests) did half in 540 s; parts 3 and 4 were in it
-  need_xdist
+  # with 8 workers, the GPU idle), so session 46's one part 1 (266 tests) did half in 540 s; parts 3 and 4 were in it.
+  # Session 48 (s48-autotune): XLA's GEMM autotuning was most of those compiles (one test's 21.4 s of compiles, 9.3 s
+  # without), so the lane runs with it off (LANE_XLA_FLAGS, default --xla_gpu_autotune_level=0; set it empty for the
+  # tuned GEMMs): what the tests check does not depend on XLA's GEMM tilings, and the Pallas kernels have fixed ones.
+  # The four parts took 98, 474, 200 and 33 s on an H100 so
+  need_xdist; export XLA_FLAGS="${LANE_XLA_FLAGS---xla_gpu_autotune_level=0}"
   case ${PART:-1} in
     1) files="tests/test_kernels.py tests/test_model.py" ;;
     3) files="tests/test_paged.py tests/test_drafter.py" ;;

@@ -1147,6 +1147,12 @@ s34-one-row)  # issue #14 (next): one-row bf16 products with fp32 terms on the G
       --modes off,bucketed -k 4 --json "$OUT/e2e-one-row-$tag$(tail_of $tag).json" > "$OUT/e2e-one-row-$tag.log" 2>&1
     echo "== $tag: $(grep -h -A3 '^bs ' "$OUT/e2e-one-row-$tag.log" | tr '\n' ' ')"; done
   use new; true ;;
+s48-barrier)  # issue #14 (next step's question): a grid-wide barrier inside one Mosaic GPU kernel (GMEM semaphore,
+  # every block resident) against an XLA kernel boundary, µs a round (bench/diag_grid_barrier.py; checked against numpy)
+  for g in ${BARRIER_BLOCKS:-132 32}; do
+    timeout ${BARRIER_TIMEOUT:-150} python3 bench/diag_grid_barrier.py --blocks $g --json "$OUT/barrier-$g.json" \
+      > "$OUT/barrier-$g.log" 2>&1; echo "== $g blocks (rc $?): $(grep -E '^rounds|^per round|Error' "$OUT/barrier-$g.log" \
+      | tr '\n' ' ')"; done ;;
 s48-autotune)  # issue #14: why the lane is compile-bound (session 47): one test's compiles timed as is and with
   # XLA's GEMM autotuning off (`--xla_gpu_autotune_level=0`), each in a fresh process with no compile cache, the sum
   # of JAX_LOG_COMPILES' "Finished XLA compilation" times and the wall; then lane PART ($PART, default 3) in the time

@@ -13,9 +13,9 @@ cheaper than the kernel boundary it would replace.
 The kernel (`barrier_chain`): `phases` rounds over a (blocks, 128) float32 array in two buffers; in round p block b
 reads row (b + 1) % blocks of one buffer, adds 1 and writes its own row of the other, then signals one counter and
 waits (without decrement) until it reaches blocks * (p + 1). After P rounds row b holds the input's row (b + P) %
-blocks plus P, checked against numpy: without the barrier's ordering a block reads a row not yet written. The
-baseline (`xla_chain`): the same rounds as XLA kernels (`roll` + 1, each its own fusion through an optimization
-barrier). Printed: µs a call for each phase count (median of `calls`, each synced) and the slope between the
+blocks plus 1 added P times, checked against numpy: without the barrier's ordering a block reads a row not yet
+written. The baseline (`xla_chain`): the same rounds as XLA kernels (`roll` + 1, each its own fusion through an
+optimization barrier). Printed: µs a call for each phase count (median of `calls`, each synced) and the slope between the
 smallest and largest count: µs a barrier against µs a kernel boundary.
 """
 import argparse
@@ -77,7 +77,10 @@ def xla_chain(phases: int):
 
 
 def expected(x: np.ndarray, phases: int) -> np.ndarray:
-    return np.roll(x, -phases, axis=0) + phases
+    """Round by round in float32, as the device adds (adding `phases` at once rounds otherwise)."""
+    for _ in range(phases):
+        x = np.roll(x, -1, axis=0) + np.float32(1)
+    return x
 
 
 def per_call(fn, x, calls: int) -> float:
@@ -98,9 +101,15 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--deviceless", action="store_true", help="compile for an H200 described to XLA, run nothing")
     args = ap.parse_args(argv)
-    phases = [int(p) for p in args.phases.split(",")]
-    if any(p % 2 for p in phases):
-        print(f"error: --phases must be even, got {args.phases}", file=sys.stderr)
+    try:
+        phases = [int(p) for p in args.phases.split(",")]
+    except ValueError:
+        phases = []
+    if not phases or any(p % 2 or p < 2 for p in phases):
+        print(f"error: --phases must be even counts >= 2, got {args.phases!r}", file=sys.stderr)
+        return 2
+    if args.blocks < 1 or args.calls < 1:
+        print(f"error: --blocks and --calls must be >= 1, got {args.blocks} and {args.calls}", file=sys.stderr)
         return 2
     shape = jax.ShapeDtypeStruct((args.blocks, ROW), jnp.float32)
     if args.deviceless:
@@ -122,7 +131,8 @@ def main(argv=None) -> int:
             np.testing.assert_array_equal(np.asarray(fn(x)), expected(np.asarray(x), p), err_msg=f"{name} {p}")
             row[f"{name}_us"] = per_call(fn, x, args.calls)
         rows.append(row)
-        print(f"rounds {p:4d}: one kernel with barriers {row['barrier_us']:8.1f} µs, XLA kernels {row['xla_us']:8.1f} µs")
+        print(f"rounds {p:4d}: one kernel with barriers {row['barrier_us']:8.1f} µs, "
+              f"XLA kernels {row['xla_us']:8.1f} µs")
     lo, hi = rows[0], rows[-1]
     span = hi["phases"] - lo["phases"]
     slope = {k: (hi[f"{k}_us"] - lo[f"{k}_us"]) / span for k in ("barrier", "xla")} if span else {}

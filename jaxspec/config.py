@@ -41,7 +41,7 @@ SWITCHES = ("JAXSPEC_PRIME", "JAXSPEC_GC_FREEZE", "JAXSPEC_UNROLL_ROUNDS", "JAXS
 # switches whose code was removed with the form they chose (measured slower on the GPU; BENCHMARKS.md sessions 37 and
 # 47), and the layer products kernel's site list beside them, each with the value that runs the form that stayed (what
 # older result files that set it measured as shipped: `bench goals`): read no more, a set one is named in a note on
-# stderr (`launch.check_engine_args`)
+# stderr (`launch.check_args`)
 RETIRED_SWITCHES = {"JAXSPEC_ATTN_MERGED": "0", "JAXSPEC_ATTN_PREFETCH": "0", "JAXSPEC_GEMV": "0",
                     "JAXSPEC_SPLIT_PRODUCTS": "0", "JAXSPEC_PIN_OUTPUT": "0", "JAXSPEC_LAYER_PRODUCTS": "0",
                     "JAXSPEC_LAYER_PRODUCT_SITES": "0", "JAXSPEC_STEP_KEYS_APART": "1"}

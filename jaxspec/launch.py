@@ -126,17 +126,22 @@ def check_args(args) -> None:
     config.json of each model folder. A bad one is a ConfigError naming the flag or the file."""
     from jaxspec.model import hf
 
+    from jaxspec.config import RETIRED_SWITCHES
+
     check_engine_args(args)
     if args.model not in (DEMO, DEFAULT):
         hf.load_target_config(args.model)
     if args.assistant:
         hf.load_assistant_config(args.assistant)
+    for name in RETIRED_SWITCHES:  # after the checks (a bad flag stays one line), once a run
+        if name in os.environ:
+            print(f"note: {name} is no longer read (removed with its code: the form it chose ran slower, BENCHMARKS.md"
+                  " sessions 37 and 47); ignored", file=sys.stderr)
 
 
-def check_engine_args(args, notes: bool = True) -> None:
-    """The engine flags' bounds and the environment switches (a ConfigError names the bad one); with notes, a
-    retired switch that is set is named on stderr (once a run: `build_engine` checks again without them)."""
-    from jaxspec.config import RETIRED_SWITCHES, SWITCHES, ConfigError, compile_threads_env, env_switch
+def check_engine_args(args) -> None:
+    """The engine flags' bounds and the environment switches (a ConfigError names the bad one)."""
+    from jaxspec.config import SWITCHES, ConfigError, compile_threads_env, env_switch
 
     compile_threads_env()
     for name in SWITCHES:
@@ -153,10 +158,6 @@ def check_engine_args(args, notes: bool = True) -> None:
         if value is not None and value < lo:
             raise ConfigError(f"{name} must be >= {lo}, got {value}")
     buckets(args.draft_bs)
-    for name in RETIRED_SWITCHES if notes else ():  # after the checks: a bad flag stays one line
-        if name in os.environ:
-            print(f"note: {name} is no longer read (removed with its code: the form it chose ran slower, BENCHMARKS.md"
-                  " sessions 37 and 47); ignored", file=sys.stderr)
 
 
 def buckets(text: str) -> tuple[int, ...]:
@@ -179,7 +180,7 @@ def build_engine(args, pair: Pair):
     if pair.acfg is None and draft_mode != "off":
         print("note: no --assistant given, decoding without speculation (--draft-mode off)", file=sys.stderr)
         draft_mode = "off"
-    check_engine_args(args, notes=False)  # check_args named any retired switch
+    check_engine_args(args)
     kernels = {"auto": None, "on": True, "off": False}[args.kernels]
     return Engine(pair.cfg, pair.params, acfg=pair.acfg, aparams=pair.aparams, tokenizer=pair.tokenizer,
                   k=args.num_speculative_tokens, draft_mode=draft_mode, buckets=buckets(args.draft_bs),

@@ -405,6 +405,20 @@ def _bench_script(name: str):
     return module
 
 
+@pytest.mark.parametrize("argv", [["--phases", "3"], ["--phases", "2,x"], ["--phases", "0"], ["--blocks", "0"]])
+def test_diag_grid_barrier_bad_input_is_one_line(argv, capsys):
+    """bench/diag_grid_barrier.py: odd, non-numeric or zero round counts and an empty grid are one line, exit 2, before
+    anything compiles; its XLA baseline's rounds give numpy's (the result the barrier kernel is checked against)."""
+    import jax
+
+    diag = _bench_script("diag_grid_barrier")
+    assert diag.main(argv) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.strip().splitlines()) == 1 and out.err.startswith("error: --")
+    x = np.random.default_rng(1).standard_normal((5, diag.ROW)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(diag.xla_chain(4))(x)), diag.expected(x, 4))
+
+
 def _diag_splits():
     return _bench_script("diag_splits")
 

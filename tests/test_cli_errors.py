@@ -256,17 +256,17 @@ def test_a_retired_switch_is_named_once_and_ignored(monkeypatch, capsys):
     nobody takes its run for the kernel's; bad flags beside it stay one line."""
     from jaxspec.config import RETIRED_SWITCHES, ConfigError
     from jaxspec.generate import parse_args
-    from jaxspec.launch import check_engine_args
+    from jaxspec.launch import check_args
 
     monkeypatch.setenv("JAXSPEC_GEMV", "1")
-    check_engine_args(parse_args([]))
+    check_args(parse_args([]))
     err = capsys.readouterr().err.strip().splitlines()
     assert "JAXSPEC_GEMV" in RETIRED_SWITCHES and len(err) == 1 and err[0].startswith("note: JAXSPEC_GEMV is no longer")
     with pytest.raises(ConfigError, match="--page-size"):
-        check_engine_args(parse_args(["--page-size", "0"]))
+        check_args(parse_args(["--page-size", "0"]))
     assert capsys.readouterr().err == ""
     monkeypatch.delenv("JAXSPEC_GEMV")
-    check_engine_args(parse_args([]))
+    check_args(parse_args([]))
     assert capsys.readouterr().err == ""
 
 
